@@ -1,0 +1,3 @@
+from txlm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""The ``txlm`` command line.
+
+Each subcommand lives in its own module and exposes ``register(subparsers)``, which adds its
+parser and sets ``func`` to a callable taking the parsed namespace and returning an exit code.
+This file only wires them together and turns user errors into one line on stderr + exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from txlm.errors import TxlmError
+
+# Subcommand modules, in the order ``txlm --help`` lists them.
+COMMANDS = [
+    "txlm.commands.prepare",
+    "txlm.commands.train",
+    "txlm.commands.eval",
+    "txlm.commands.generate",
+    "txlm.commands.convert",
+    "txlm.commands.analysis",
+    "txlm.commands.info",
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse exits 2 on bad usage already; make its message a single line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"txlm: error: {message}\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="txlm", description="Transformer-XL language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:  # a command still being built
+            if exc.name != name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except TxlmError as exc:
+        sys.stderr.write(f"txlm: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("txlm: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
