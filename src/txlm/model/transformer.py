@@ -129,6 +129,12 @@ class TransformerXL(nn.Module):
                 params.pop(id(p), None)
         return sum(p.numel() for p in params.values())
 
+    def generate(self, prompts, **kwargs):
+        """Sample continuations with the cached incremental decoder: ``txlm.generate.generate``."""
+        from txlm.generate import generate  # imported here: txlm.generate imports this module
+
+        return generate(self, prompts, **kwargs)
+
     # -- forward ------------------------------------------------------------------------
     def forward(
         self,
