@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from txlm.config import ModelConfig
@@ -152,6 +152,29 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return data
 
 
+def _check_shapes(weights: Path, model: TransformerXL) -> None:
+    """Compare the weights file's header with the still unallocated (meta) model.
+
+    config.json decides how much memory ``to_empty`` allocates; a config that claims a huge
+    vocabulary or width next to a small weights file must be refused here, from the header
+    alone, not by exhausting memory. Missing/unexpected tensors are reported after loading.
+    """
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {key: list(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"{weights} is not a readable safetensors file: {str(exc).splitlines()[0]}"
+        ) from None
+    wanted = model.state_dict()
+    for key, shape in sorted(shapes.items()):
+        if key in wanted and list(wanted[key].shape) != shape:
+            raise CheckpointError(
+                f"{weights} does not match its config.json: {key} has shape {shape}, "
+                f"the config needs {list(wanted[key].shape)}"
+            )
+
+
 def load(directory: str | Path, *, device: str | torch.device = "cpu") -> TransformerXL:
     """A model in eval mode from a checkpoint directory."""
     directory = resolve(directory)
@@ -165,6 +188,7 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
     with torch.device("meta"):
         model = TransformerXL(config)
+    _check_shapes(weights, model)  # before allocating what config.json claims
     model = model.to_empty(device=device)
     model.tie_weights()
     try:

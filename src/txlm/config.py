@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -96,6 +97,21 @@ class ModelConfig:
             p = getattr(self, name)
             if not isinstance(p, int | float) or not 0.0 <= p < 1.0:
                 raise ConfigError(f"{name} must be in [0, 1), got {p!r}")
+        # JSON accepts NaN/Infinity and negatives here; each would only surface later as NaN
+        # activations (eps) or a RuntimeError from normal_ (std) deep inside construction.
+        for name, low in (
+            ("layer_norm_eps", "> 0"),
+            ("init_std", ">= 0"),
+            ("proj_init_std", ">= 0"),
+        ):
+            x = getattr(self, name)
+            ok = (
+                isinstance(x, int | float)
+                and math.isfinite(x)
+                and (x > 0 if low == "> 0" else x >= 0)
+            )
+            if not ok:
+                raise ConfigError(f"{name} must be a finite number {low}, got {x!r}")
         if self.attn_type not in ATTN_TYPES:
             raise ConfigError(f"attn_type must be one of {ATTN_TYPES}, got {self.attn_type!r}")
         if self.attn_impl not in ATTN_IMPLS:
@@ -203,6 +219,12 @@ def _check_types(data: dict[str, Any]) -> None:
             not isinstance(value, list) or not all(isinstance(c, int) for c in value)
         ):
             raise ConfigError(f"cutoffs must be a list of integers, got {value!r}")
+        # tie_projs: __post_init__ would iterate a string or fail on a number with a message
+        # that does not name the key.
+        if key == "tie_projs" and not (
+            value is None or (isinstance(value, list) and all(isinstance(t, bool) for t in value))
+        ):
+            raise ConfigError(f"tie_projs must be a list of true/false or null, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,380 @@
+"""Hostile and broken checkpoints given to ``txlm.checkpoint.load``.
+
+Every case starts from a good checkpoint of the debug model, breaks one thing, and asserts a
+``CheckpointError`` whose message names the problem (and the file), never another exception
+type, never a partially loaded model, and never code run from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import txlm
+from reliability_helpers import evil_os_system_pickle, evil_pickle, evil_torch_zip, snapshot
+from txlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, atomic_directory, load, read_config, save
+from txlm.config import ModelConfig
+from txlm.errors import CheckpointError
+from txlm.model import TransformerXL
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig.from_preset("debug"))
+    return save(model, tmp_path_factory.mktemp("good") / "ckpt")
+
+
+@pytest.fixture
+def ckpt(good: Path, tmp_path: Path) -> Path:
+    """A fresh copy of the good checkpoint to break."""
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    for f in good.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _config(ckpt: Path) -> dict:
+    return json.loads((ckpt / CONFIG_FILE).read_text())
+
+
+def _set_model_key(ckpt: Path, key: str, value) -> None:
+    data = _config(ckpt)
+    data["model"][key] = value
+    (ckpt / CONFIG_FILE).write_text(json.dumps(data))
+
+
+def _expect(ckpt: Path, *needles: str) -> str:
+    with pytest.raises(CheckpointError) as info:
+        load(ckpt)
+    msg = str(info.value)
+    assert "\n" not in msg, msg  # the CLI prints it as one line
+    for needle in needles:
+        assert needle.lower() in msg.lower(), msg
+    return msg
+
+
+def test_good_checkpoint_loads(good: Path) -> None:
+    model = load(good)
+    assert not model.training
+    assert model.config == ModelConfig.from_preset("debug")
+
+
+# -- the directory itself --------------------------------------------------------------------
+
+
+def test_missing_directory(tmp_path: Path) -> None:
+    _expect(tmp_path / "nope", "does not exist")
+
+
+def test_path_is_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "ckpt"
+    f.write_text("hello")
+    _expect(f, "not a checkpoint directory")
+
+
+def test_empty_directory(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    _expect(tmp_path / "ckpt", CONFIG_FILE)
+
+
+def test_missing_weights(ckpt: Path) -> None:
+    (ckpt / WEIGHTS_FILE).unlink()
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_weights_is_a_directory(ckpt: Path) -> None:
+    (ckpt / WEIGHTS_FILE).unlink()
+    (ckpt / WEIGHTS_FILE).mkdir()
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+# -- model.safetensors -----------------------------------------------------------------------
+
+
+def test_zero_byte_weights(ckpt: Path) -> None:
+    (ckpt / WEIGHTS_FILE).write_bytes(b"")
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+@pytest.mark.parametrize("fraction", [0.0001, 0.5, 0.999])
+def test_truncated_weights(ckpt: Path, fraction: float) -> None:
+    data = (ckpt / WEIGHTS_FILE).read_bytes()
+    (ckpt / WEIGHTS_FILE).write_bytes(data[: max(1, int(len(data) * fraction))])
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_random_bytes_weights(ckpt: Path) -> None:
+    (ckpt / WEIGHTS_FILE).write_bytes(torch.randint(0, 256, (5000,), dtype=torch.uint8).numpy())
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_header_claims_huge_length(ckpt: Path) -> None:
+    # The 8-byte little-endian header length is the first thing a reader trusts.
+    body = (ckpt / WEIGHTS_FILE).read_bytes()
+    (ckpt / WEIGHTS_FILE).write_bytes(struct.pack("<Q", 2**62) + body[8:])
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_header_is_not_json(ckpt: Path) -> None:
+    header = b"{not json at all" + b" " * 16
+    (ckpt / WEIGHTS_FILE).write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 64)
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_tensor_offsets_past_end(ckpt: Path) -> None:
+    header = json.dumps(
+        {"u": {"dtype": "F32", "shape": [2, 16], "data_offsets": [0, 10**9]}}
+    ).encode()
+    (ckpt / WEIGHTS_FILE).write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 128)
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_weights_for_another_shape(ckpt: Path) -> None:
+    other = TransformerXL(ModelConfig.from_preset("debug", d_model=48, d_head=24))
+    other_dir = save(other, ckpt.parent / "other")
+    (ckpt / WEIGHTS_FILE).write_bytes((other_dir / WEIGHTS_FILE).read_bytes())
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_weights_missing_a_layer(ckpt: Path) -> None:
+    other = TransformerXL(ModelConfig.from_preset("debug", n_layer=1))
+    other_dir = save(other, ckpt.parent / "other")
+    (ckpt / WEIGHTS_FILE).write_bytes((other_dir / WEIGHTS_FILE).read_bytes())
+    _expect(ckpt, WEIGHTS_FILE, "missing")
+
+
+def test_weights_with_extra_tensor(ckpt: Path) -> None:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(ckpt / WEIGHTS_FILE))
+    tensors["backdoor"] = torch.zeros(3)
+    save_file(tensors, str(ckpt / WEIGHTS_FILE))
+    _expect(ckpt, WEIGHTS_FILE, "unexpected")
+
+
+def test_config_vocab_mismatch_with_weights(ckpt: Path) -> None:
+    _set_model_key(ckpt, "vocab_size", 65)
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+def test_config_much_larger_than_weights_fails_before_allocating(ckpt: Path) -> None:
+    # A config that claims a huge model next to small weights must be refused from the
+    # weights' header, not after allocating the claimed model (here ~64 GB of embeddings).
+    _set_model_key(ckpt, "vocab_size", 2**31 // 8)
+    _set_model_key(ckpt, "d_model", 64)
+    _set_model_key(ckpt, "d_embed", 64)
+    _expect(ckpt, WEIGHTS_FILE)
+
+
+# -- config.json -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"", b"{", b"\xff\xfe\x00garbage\x80", b"[1, 2, 3]", b"null", b'"txlm"', b"NaN"],
+    ids=["empty", "truncated", "binary", "list", "null", "string", "nan"],
+)
+def test_config_not_an_object(ckpt: Path, content: bytes) -> None:
+    (ckpt / CONFIG_FILE).write_bytes(content)
+    _expect(ckpt, CONFIG_FILE)
+
+
+def test_foreign_hf_config(ckpt: Path) -> None:
+    (ckpt / CONFIG_FILE).write_text(
+        json.dumps({"model_type": "transfo-xl", "d_model": 32, "n_layer": 2})
+    )
+    _expect(ckpt, "not a txlm checkpoint", "convert")
+
+
+def test_future_format_version(ckpt: Path) -> None:
+    data = _config(ckpt)
+    data["format_version"] = 99
+    (ckpt / CONFIG_FILE).write_text(json.dumps(data))
+    _expect(ckpt, "version")
+
+
+def test_model_section_missing(ckpt: Path) -> None:
+    data = _config(ckpt)
+    del data["model"]
+    (ckpt / CONFIG_FILE).write_text(json.dumps(data))
+    _expect(ckpt, CONFIG_FILE)
+
+
+def test_model_section_not_an_object(ckpt: Path) -> None:
+    data = _config(ckpt)
+    data["model"] = [1, 2]
+    (ckpt / CONFIG_FILE).write_text(json.dumps(data))
+    _expect(ckpt, CONFIG_FILE)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("n_layer", "2"),
+        ("n_layer", 2.0),
+        ("n_layer", True),
+        ("n_layer", None),
+        ("n_layer", 0),
+        ("n_layer", -3),
+        ("d_model", [32]),
+        ("vocab_size", 0),
+        ("mem_len", -1),
+        ("tgt_len", 0),
+        ("dropout", "0.1"),
+        ("dropout", 1.5),
+        ("dropout", float("nan")),
+        ("same_length", 1),
+        ("same_length", "true"),
+        ("cutoffs", "20,40"),
+        ("cutoffs", [1.5]),
+        ("cutoffs", [70]),
+        ("tie_projs", 5),
+        ("tie_projs", [True, True]),
+        ("d_embed", 3.5),
+        ("attn_type", "rnn"),
+        ("attn_type", ["xl"]),
+        ("attn_impl", {"x": 1}),
+        ("layer_norm_eps", "tiny"),
+        ("layer_norm_eps", float("nan")),
+        ("layer_norm_eps", -1.0),
+        ("init_std", float("inf")),
+        ("div_val", 0),
+    ],
+)
+def test_config_wrong_types(ckpt: Path, key: str, value) -> None:
+    _set_model_key(ckpt, key, value)
+    msg = _expect(ckpt, CONFIG_FILE)
+    assert key in msg, msg
+
+
+def test_config_unknown_key(ckpt: Path) -> None:
+    _set_model_key(ckpt, "n_layers", 2)
+    _expect(ckpt, "unknown", "n_layers")
+
+
+def test_config_missing_vocab_size(ckpt: Path) -> None:
+    data = _config(ckpt)
+    del data["model"]["vocab_size"]
+    (ckpt / CONFIG_FILE).write_text(json.dumps(data))
+    _expect(ckpt, "vocab_size")
+
+
+def test_read_config_rejects_foreign(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / CONFIG_FILE).write_text("{}")
+    with pytest.raises(CheckpointError, match="not a txlm checkpoint"):
+        read_config(d)
+
+
+# -- pickles: never executed -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pickle2", "pickle5", "os_system", "torch_zip", "torch_save"])
+def test_pickle_as_weights_is_refused_and_not_run(ckpt: Path, tmp_path: Path, kind: str) -> None:
+    marker = tmp_path / "pwned"
+    if kind == "pickle2":
+        payload = evil_pickle(marker, protocol=2)
+    elif kind == "pickle5":
+        payload = evil_pickle(marker, protocol=5)
+    elif kind == "os_system":
+        payload = evil_os_system_pickle(marker)
+    elif kind == "torch_zip":
+        payload = evil_torch_zip(marker)
+    else:  # a plain (benign) torch.save state dict: still not our format
+        import io
+
+        buf = io.BytesIO()
+        torch.save(TransformerXL(ModelConfig.from_preset("debug")).state_dict(), buf)
+        payload = buf.getvalue()
+    (ckpt / WEIGHTS_FILE).write_bytes(payload)
+    _expect(ckpt, WEIGHTS_FILE)
+    assert not marker.exists(), "loading the checkpoint ran code from a pickle"
+
+
+def test_pickled_config_is_refused_and_not_run(ckpt: Path, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    (ckpt / CONFIG_FILE).write_bytes(evil_pickle(marker))
+    _expect(ckpt, CONFIG_FILE)
+    assert not marker.exists()
+
+
+def test_pickle_beside_checkpoint_is_ignored(ckpt: Path, tmp_path: Path) -> None:
+    """Files a txlm checkpoint does not name (e.g. a planted pytorch_model.bin) are never read."""
+    marker = tmp_path / "pwned"
+    (ckpt / "pytorch_model.bin").write_bytes(evil_torch_zip(marker))
+    (ckpt / "vocab.bin").write_bytes(evil_pickle(marker))
+    load(ckpt)
+    assert not marker.exists()
+
+
+def test_no_pickle_module_used_by_load(ckpt: Path, monkeypatch) -> None:
+    """Loading a good checkpoint never touches pickle or torch.load at all."""
+    import pickle
+
+    def boom(*a, **k):
+        raise AssertionError("pickle used while loading a txlm checkpoint")
+
+    monkeypatch.setattr(pickle, "load", boom)
+    monkeypatch.setattr(pickle, "loads", boom)
+    monkeypatch.setattr(pickle, "Unpickler", boom)
+    monkeypatch.setattr(torch, "load", boom)
+    load(ckpt)
+
+
+# -- atomic writes: a failed save never replaces a good checkpoint ---------------------------
+
+
+def test_failed_save_keeps_old_checkpoint(ckpt: Path) -> None:
+    before = snapshot(ckpt.parent)
+    model = TransformerXL(ModelConfig.from_preset("debug"))
+
+    def fail(tmp: Path) -> None:
+        (tmp / "half").write_bytes(b"x" * 100)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        save(model, ckpt, extra_files=fail)
+    assert snapshot(ckpt.parent) == before  # no temp dir left, old files untouched
+    load(ckpt)
+
+
+def test_save_to_full_disk_keeps_old_checkpoint(ckpt: Path, monkeypatch) -> None:
+    """The weights write itself fails with ENOSPC (simulated: we cannot fill a real disk)."""
+    import txlm.checkpoint as ck
+
+    before = snapshot(ckpt.parent)
+
+    def enospc(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "save_model", enospc)
+    with pytest.raises(OSError, match="No space"):
+        save(TransformerXL(ModelConfig.from_preset("debug")), ckpt)
+    assert snapshot(ckpt.parent) == before
+    load(ckpt)
+
+
+def test_interrupted_swap_falls_back_to_old(good: Path, tmp_path: Path) -> None:
+    """A crash between 'rename old aside' and 'rename new in' leaves NAME.old: it loads."""
+    target = tmp_path / "best"
+    old = tmp_path / "best.old"
+    old.mkdir()
+    for f in good.iterdir():
+        (old / f.name).write_bytes(f.read_bytes())
+    assert txlm.load(target).config == ModelConfig.from_preset("debug")
+
+
+def test_atomic_directory_over_file_parent_fails_cleanly(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(OSError):
+        atomic_directory(blocker / "ckpt", lambda tmp: None)
+    assert blocker.read_text() == "x"
