@@ -1,0 +1,182 @@
+"""Checkpoints: a directory of JSON and safetensors files, written atomically. No pickle.
+
+    config.json          the ModelConfig (plus "format": "txlm", a version, and extras)
+    model.safetensors    weights (tied tensors stored once)
+    vocab.json           the vocabulary, when there is one
+    ...                  training adds optimizer.safetensors, trainer_state.json, memory
+
+Atomic replace: the new checkpoint is written to a sibling temp directory and renamed into
+place. A directory cannot be renamed over a non-empty one, so an existing checkpoint is first
+renamed aside to ``NAME.old`` and removed only after the new one is in place; ``resolve``
+falls back to ``NAME.old`` if a crash hit between the two renames. At every instant either the
+old or the new checkpoint is complete on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+
+from txlm.config import ModelConfig
+from txlm.errors import CheckpointError, ConfigError
+from txlm.model import TransformerXL
+
+FORMAT = "txlm"
+FORMAT_VERSION = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+VOCAB_FILE = "vocab.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON to a temp file beside ``path`` and rename it over ``path``."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_directory(target: Path, fill: Callable[[Path], None]) -> Path:
+    """Create ``target`` by calling ``fill(tmpdir)`` and renaming tmpdir into place."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():  # data on disk before the rename makes it visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = target.with_name(target.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        if target.exists():
+            os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint directory to read: ``path``, or ``path.old`` after an interrupted swap."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    old = path.with_name(path.name + ".old")
+    if not path.exists() and old.is_dir():
+        return old
+    if path.exists():
+        raise CheckpointError(f"{path} is not a checkpoint directory")
+    raise CheckpointError(f"checkpoint {path} does not exist")
+
+
+def save(
+    model: TransformerXL,
+    directory: str | Path,
+    *,
+    vocab_json: str | None = None,
+    extra_config: dict[str, Any] | None = None,
+    extra_files: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``model`` (and optionally its vocabulary and more files) atomically."""
+
+    def fill(tmp: Path) -> None:
+        config = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "model": model.config.to_dict(),
+            **(extra_config or {}),
+        }
+        write_json(tmp / CONFIG_FILE, config)
+        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
+        if vocab_json is not None:
+            (tmp / VOCAB_FILE).write_text(vocab_json)
+        if extra_files is not None:
+            extra_files(tmp)
+
+    return atomic_directory(Path(directory), fill)
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a txlm checkpoint, checked to be ours."""
+    directory = resolve(directory)
+    path = directory / CONFIG_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a txlm checkpoint")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a txlm checkpoint config (foreign checkpoints: txlm convert)"
+        )
+    if data.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has format version {data.get('format_version')!r}; "
+            f"this txlm reads version {FORMAT_VERSION}"
+        )
+    return data
+
+
+def load(directory: str | Path, *, device: str | torch.device = "cpu") -> TransformerXL:
+    """A model in eval mode from a checkpoint directory."""
+    directory = resolve(directory)
+    data = read_config(directory)
+    try:
+        config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise CheckpointError(f"{directory / CONFIG_FILE}: {exc}") from None
+    weights = directory / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
+    with torch.device("meta"):
+        model = TransformerXL(config)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    try:
+        missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{weights} is unreadable or does not fit its config: {str(exc).splitlines()[0]}"
+        ) from None
+    if missing or unexpected:
+        detail = ", ".join(sorted(missing)[:3] or sorted(unexpected)[:3])
+        raise CheckpointError(
+            f"{weights} does not match its config.json "
+            f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
+        )
+    return model.eval()

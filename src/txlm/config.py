@@ -1,0 +1,442 @@
+"""Model configuration and the paper's presets.
+
+``ModelConfig`` is a frozen-by-convention dataclass: validated in ``__post_init__``, written to
+``config.json`` in every checkpoint, and changed only through ``replace`` (so a changed copy is
+validated again). Presets name the configurations of the paper's tables; each cites its table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from txlm.errors import ConfigError
+
+# Positional encodings of the paper's ablation (Table 6):
+#   "xl"      the paper's relative encoding: sinusoid R, W_kR, global biases u, v (Sec. 3.3)
+#   "shaw"    Shaw et al. (2018): learned relative embeddings per layer, terms (a) + (b) only
+#   "vaswani" Vaswani et al. (2017): absolute sinusoid added to the word embeddings
+#   "alrfou"  Al-Rfou et al. (2018): learned absolute embeddings added at every layer
+AttnType = Literal["xl", "shaw", "vaswani", "alrfou"]
+ATTN_TYPES = ("xl", "shaw", "vaswani", "alrfou")
+ATTN_IMPLS = ("sdpa", "math")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 8
+    d_head: int = 32
+    d_inner: int = 1024
+    d_embed: int | None = None  # None: d_model
+    dropout: float = 0.1
+    dropatt: float = 0.0
+    # Lengths. tgt_len is the segment length the model was trained with (the data pipeline
+    # uses it); mem_len the number of earlier hidden states each layer keeps (Tail_M).
+    tgt_len: int = 128
+    mem_len: int = 128
+    clamp_len: int = -1  # > 0: relative distances beyond this share one encoding
+    # same_length: every query attends to exactly the mem_len most recent keys ending at
+    # itself (query at key index q sees keys q - mem_len < j <= q), so the first and last
+    # query of a segment see contexts of the same length. Matches the original code and
+    # transformers' TransfoXL when memory is full.
+    same_length: bool = False
+    attn_type: AttnType = "xl"
+    n_positions: int = 1024  # table size for the learned encodings (shaw, alrfou)
+    pre_lnorm: bool = False
+    untie_r: bool = False  # per-layer u, v instead of one pair shared by all layers
+    # Adaptive input / softmax (Baevski & Auli; Grave et al.). cutoffs exclude vocab_size.
+    cutoffs: list[int] = field(default_factory=list)
+    div_val: int = 1
+    tie_weight: bool = True
+    # Per cluster (head first): share the softmax projection with the embedding's.
+    tie_projs: list[bool] | None = None  # None: [False] + [True] * len(cutoffs)
+    layer_norm_eps: float = 1e-5
+    init_std: float = 0.02
+    proj_init_std: float = 0.01
+    attn_impl: Literal["sdpa", "math"] = "sdpa"
+
+    def __post_init__(self) -> None:
+        if self.d_embed is None:
+            self.d_embed = self.d_model
+        self.cutoffs = [int(c) for c in self.cutoffs]
+        if self.tie_projs is None:
+            self.tie_projs = [False] + [True] * len(self.cutoffs)
+        self.tie_projs = [bool(t) for t in self.tie_projs]
+        self._validate()
+
+    def _validate(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+        for name in (
+            "vocab_size",
+            "n_layer",
+            "d_model",
+            "n_head",
+            "d_head",
+            "d_inner",
+            "d_embed",
+            "tgt_len",
+            "div_val",
+            "n_positions",
+        ):
+            positive(name)
+        if not isinstance(self.mem_len, int) or self.mem_len < 0:
+            raise ConfigError(f"mem_len must be a non-negative integer, got {self.mem_len!r}")
+        if not isinstance(self.clamp_len, int):
+            raise ConfigError(f"clamp_len must be an integer, got {self.clamp_len!r}")
+        for name in ("dropout", "dropatt"):
+            p = getattr(self, name)
+            if not isinstance(p, int | float) or not 0.0 <= p < 1.0:
+                raise ConfigError(f"{name} must be in [0, 1), got {p!r}")
+        if self.attn_type not in ATTN_TYPES:
+            raise ConfigError(f"attn_type must be one of {ATTN_TYPES}, got {self.attn_type!r}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise ConfigError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.same_length and self.mem_len < 1:
+            raise ConfigError("same_length needs mem_len >= 1 (the window it keeps constant)")
+        if self.cutoffs != sorted(set(self.cutoffs)) or any(
+            c <= 0 or c >= self.vocab_size for c in self.cutoffs
+        ):
+            raise ConfigError(
+                f"cutoffs must be increasing and inside (0, vocab_size={self.vocab_size}), "
+                f"got {self.cutoffs}"
+            )
+        if len(self.tie_projs or []) != len(self.cutoffs) + 1:
+            raise ConfigError(
+                f"tie_projs needs one flag per cluster ({len(self.cutoffs) + 1}), "
+                f"got {self.tie_projs}"
+            )
+        if self.div_val > 1 and self.d_embed // self.div_val ** len(self.cutoffs) < 1:
+            raise ConfigError("div_val too large: the last cluster's embedding would be empty")
+
+    # -- convenience -----------------------------------------------------------------
+    @property
+    def n_clusters(self) -> int:
+        return len(self.cutoffs)
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A validated copy with some fields changed."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown model config key(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise ConfigError("model config must be a JSON object")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = set(data) - set(known)
+        if unknown:
+            raise ConfigError(f"unknown model config key(s): {', '.join(sorted(unknown))}")
+        if "vocab_size" not in data:
+            raise ConfigError("model config lacks vocab_size")
+        _check_types(data)
+        try:
+            return cls(**data)
+        except TypeError as exc:  # a wrongly typed value that slipped past validation
+            raise ConfigError(f"bad model config: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelConfig:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"model config is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose from: {', '.join(PRESETS)}")
+        data = {**PRESETS[name].model, **overrides}
+        return cls.from_dict(data)
+
+
+_INT_FIELDS = {
+    "vocab_size",
+    "n_layer",
+    "d_model",
+    "n_head",
+    "d_head",
+    "d_inner",
+    "tgt_len",
+    "mem_len",
+    "clamp_len",
+    "n_positions",
+    "div_val",
+}
+_BOOL_FIELDS = {"same_length", "pre_lnorm", "untie_r", "tie_weight"}
+_FLOAT_FIELDS = {"dropout", "dropatt", "layer_norm_eps", "init_std", "proj_init_std"}
+
+
+def _check_types(data: dict[str, Any]) -> None:
+    """JSON and YAML hand us loosely typed values: refuse the wrong kind by name."""
+    for key, value in data.items():
+        if key in _INT_FIELDS and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if key in _BOOL_FIELDS and not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+        if key in _FLOAT_FIELDS and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if (
+            key == "d_embed"
+            and value is not None
+            and (not isinstance(value, int) or isinstance(value, bool))
+        ):
+            raise ConfigError(f"d_embed must be an integer or null, got {value!r}")
+        if key == "cutoffs" and (
+            not isinstance(value, list) or not all(isinstance(c, int) for c in value)
+        ):
+            raise ConfigError(f"cutoffs must be a list of integers, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named model shape plus the training/evaluation lengths the paper used with it."""
+
+    source: str  # where the numbers come from
+    model: dict[str, Any]
+    eval: dict[str, Any] = field(default_factory=dict)  # tgt_len / mem_len / clamp_len
+    paper_params: float | None = None  # parameter count the paper reports
+    dataset: str | None = None
+    note: str = ""
+
+
+# Vocabulary sizes of the corpora the paper presets are meant for (the original code's).
+_WT103_VOCAB = 267735
+_LM1B_VOCAB = 793470
+_ENWIK8_VOCAB = 204
+_TEXT8_VOCAB = 27
+_PTB_VOCAB = 10000
+
+PRESETS: dict[str, Preset] = {
+    "debug": Preset(
+        source="tests: seconds on a CPU",
+        model=dict(
+            vocab_size=64,
+            n_layer=2,
+            d_model=32,
+            n_head=2,
+            d_head=16,
+            d_inner=64,
+            tgt_len=16,
+            mem_len=16,
+            dropout=0.0,
+        ),
+        eval=dict(tgt_len=16, mem_len=32),
+    ),
+    "shakespeare-char": Preset(
+        source="this project's default run: minutes on 2 CPU cores",
+        model=dict(
+            vocab_size=128,
+            n_layer=4,
+            d_model=256,
+            n_head=4,
+            d_head=64,
+            d_inner=1024,
+            tgt_len=128,
+            mem_len=128,
+            dropout=0.1,
+        ),
+        eval=dict(tgt_len=128, mem_len=256),
+        dataset="shakespeare",
+    ),
+    "enwik8-base": Preset(
+        source="paper Table 2 (12L); original run_enwik8_base.sh",
+        model=dict(
+            vocab_size=_ENWIK8_VOCAB,
+            n_layer=12,
+            d_model=512,
+            n_head=8,
+            d_head=64,
+            d_inner=2048,
+            tgt_len=512,
+            mem_len=512,
+            dropout=0.1,
+            dropatt=0.0,
+        ),
+        eval=dict(tgt_len=80, mem_len=2100, clamp_len=820, same_length=True),
+        paper_params=41e6,
+        dataset="enwik8",
+    ),
+    "enwik8-18l": Preset(
+        source="paper Table 2 (18L, 88M); the shape is not in the paper's text",
+        model=dict(
+            vocab_size=_ENWIK8_VOCAB,
+            n_layer=18,
+            d_model=512,
+            n_head=8,
+            d_head=64,
+            d_inner=3584,
+            tgt_len=512,
+            mem_len=512,
+            dropout=0.1,
+        ),
+        eval=dict(tgt_len=80, mem_len=2100, clamp_len=820, same_length=True),
+        paper_params=88e6,
+        dataset="enwik8",
+        note="d_inner 3584 chosen so the count lands on the paper's 88M",
+    ),
+    "enwik8-large": Preset(
+        source="paper Table 2 (24L, 277M); original run_enwik8_large.sh",
+        model=dict(
+            vocab_size=_ENWIK8_VOCAB,
+            n_layer=24,
+            d_model=1024,
+            n_head=8,
+            d_head=128,
+            d_inner=3072,
+            tgt_len=768,
+            mem_len=768,
+            dropout=0.15,
+            dropatt=0.15,
+        ),
+        eval=dict(tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True),
+        paper_params=277e6,
+        dataset="enwik8",
+    ),
+    "text8-large": Preset(
+        source="paper Table 3 (24L, 277M); original run_text8_large.sh",
+        model=dict(
+            vocab_size=_TEXT8_VOCAB,
+            n_layer=24,
+            d_model=1024,
+            n_head=8,
+            d_head=128,
+            d_inner=3072,
+            tgt_len=768,
+            mem_len=768,
+            dropout=0.15,
+            dropatt=0.15,
+        ),
+        eval=dict(tgt_len=128, mem_len=3800, clamp_len=1000, same_length=True),
+        paper_params=277e6,
+        dataset="text8",
+    ),
+    "wt103-base": Preset(
+        source="paper Table 1 (151M); original run_wt103_base.sh",
+        model=dict(
+            vocab_size=_WT103_VOCAB,
+            n_layer=16,
+            d_model=410,
+            n_head=10,
+            d_head=41,
+            d_inner=2100,
+            tgt_len=150,
+            mem_len=150,
+            dropout=0.1,
+            dropatt=0.0,
+            cutoffs=[20000, 40000, 200000],
+            div_val=1,
+        ),
+        eval=dict(tgt_len=64, mem_len=640, clamp_len=400, same_length=True),
+        paper_params=151e6,
+        dataset="wt103",
+    ),
+    "wt103-large": Preset(
+        source="paper Table 1 (257M); original run_wt103_large.sh, the published transfo-xl-wt103",
+        model=dict(
+            vocab_size=_WT103_VOCAB,
+            n_layer=18,
+            d_model=1024,
+            n_head=16,
+            d_head=64,
+            d_inner=4096,
+            tgt_len=384,
+            mem_len=384,
+            dropout=0.2,
+            dropatt=0.2,
+            cutoffs=[20000, 40000, 200000],
+            div_val=4,
+        ),
+        eval=dict(tgt_len=128, mem_len=1600, clamp_len=1000, same_length=True),
+        paper_params=257e6,
+        dataset="wt103",
+        note="this shape (the paper's, and the published checkpoint's) counts 285M; the "
+        "paper's 257M does not follow from its own configuration",
+    ),
+    "lm1b-base": Preset(
+        source="paper Table 4 (0.46B); original run_lm1b_base.sh",
+        model=dict(
+            vocab_size=_LM1B_VOCAB,
+            n_layer=18,
+            d_model=1024,
+            n_head=8,
+            d_head=128,
+            d_inner=4096,
+            tgt_len=32,
+            mem_len=32,
+            dropout=0.0,
+            dropatt=0.0,
+            cutoffs=[60000, 100000, 640000],
+            div_val=4,
+            tie_weight=False,
+            tie_projs=[False, False, False, False],
+        ),
+        eval=dict(tgt_len=32, mem_len=128, clamp_len=-1, same_length=True),
+        paper_params=0.46e9,
+        dataset="lm1b",
+        note="input and output embeddings untied: tied, this shape counts 0.36B, not the "
+        "paper's 0.46B",
+    ),
+    "lm1b-large": Preset(
+        source="paper Table 4 (0.8B); original run_lm1b_large.sh",
+        model=dict(
+            vocab_size=_LM1B_VOCAB,
+            n_layer=24,
+            d_model=1280,
+            n_head=16,
+            d_head=80,
+            d_inner=8192,
+            tgt_len=32,
+            mem_len=32,
+            dropout=0.05,
+            dropatt=0.05,
+            cutoffs=[60000, 100000, 640000],
+            div_val=4,
+            tie_weight=True,
+        ),
+        eval=dict(tgt_len=32, mem_len=128, clamp_len=-1, same_length=True),
+        paper_params=0.8e9,
+        dataset="lm1b",
+        note="counts 0.84B, which the paper gives to one significant figure",
+    ),
+    "ptb": Preset(
+        source="paper Table 5 (24M); the shape is not in the paper's text",
+        model=dict(
+            vocab_size=_PTB_VOCAB,
+            n_layer=16,
+            d_model=350,
+            n_head=10,
+            d_head=35,
+            d_inner=1000,
+            tgt_len=70,
+            mem_len=70,
+            dropout=0.4,
+            dropatt=0.0,
+        ),
+        eval=dict(tgt_len=70, mem_len=140),
+        paper_params=24e6,
+        dataset="ptb",
+        note="16 layers of width 350 chosen so the count lands on the paper's 24M",
+    ),
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)

@@ -1,0 +1,218 @@
+"""Multi-head attention over [memory; current segment] with the paper's relative encoding.
+
+Dimension legend
+    B  batch                 L  segment (query) length     M  memory length
+    K  key length = M + L    H  heads                      Dh head dim
+    D  model dim             scores are laid out [B, H, L, K]
+
+The paper's relative score (Sec. 3.3, Eq. after "relative positional encodings"):
+
+    A_ij = q_i.k_j  +  q_i.W_kR R_{i-j}  +  u.k_j  +  v.W_kR R_{i-j}
+            (a)             (b)             (c)          (d)
+
+grouped as (q_i + u).k_j  +  (q_i + v).r_{i-j}: two matmuls. The second is computed once per
+distance, [L, K+1], then turned into the per-pair layout by ``rel_shift`` (Appendix B) — here a
+strided view, no padding and no copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from txlm.config import ModelConfig
+
+
+def rel_shift(x: Tensor) -> Tensor:
+    """Per-distance scores [..., L, K+1] -> per-pair scores [..., L, K].
+
+    Column c of ``x`` holds distance K-1-c (the last column, c = K, distance -1). Query i sits
+    at key index M+i, so pair (i, j) needs distance M+i-j, i.e. column c = L-1-i+j. In the
+    flat row-major buffer that is offset i*(K+1) + L-1-i+j = (L-1) + i*K + j: a view with
+    storage offset L-1 and row stride K. The extra distance -1 column makes the row stride K
+    equal to the view's width, so no element is viewed twice (a cheap backward) and every
+    visible pair (j <= M+i) reads from its own row; the masked pairs read finite junk.
+    """
+    x = x.contiguous()
+    *lead, qlen, kp1 = x.shape
+    klen = kp1 - 1
+    stride = list(x.stride())
+    return x.as_strided(
+        (*lead, qlen, klen),
+        (*stride[:-2], klen, 1),
+        x.storage_offset() + qlen - 1,
+    )
+
+
+class RelativeAttention(nn.Module):
+    """One layer's attention, for every encoding of the paper's Table 6 (see config.AttnType)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.d_head = config.n_head, config.d_head
+        self.attn_type = config.attn_type
+        self.pre_lnorm = config.pre_lnorm
+        self.attn_impl = config.attn_impl
+        self.dropatt = config.dropatt
+        self.scale = 1.0 / math.sqrt(config.d_head)
+        inner = config.n_head * config.d_head
+
+        # Rows [0, inner) project queries, [inner, 3 inner) keys and values. One weight so a
+        # checkpoint stores it once; queries are projected from the current segment only.
+        self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, config.d_model, bias=False)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+
+        if self.attn_type == "xl":
+            self.r_net = nn.Linear(config.d_model, inner, bias=False)  # W_kR
+            if config.untie_r:
+                self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+                self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+        elif self.attn_type == "shaw":
+            # Learned relative embeddings, one per clipped distance, per layer.
+            self.r_emb = nn.Parameter(torch.zeros(config.n_positions, config.n_head, config.d_head))
+
+    # -- pieces -------------------------------------------------------------------------
+    def _heads(self, x: Tensor) -> Tensor:
+        """[B, T, H*Dh] -> [B, H, T, Dh]."""
+        return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [B, H, T, Dh] of (normalised, for pre-LN) hidden states [B, T, D]."""
+        inner = self.n_head * self.d_head
+        kv = F.linear(x, self.qkv.weight[inner:])
+        k, v = kv.chunk(2, dim=-1)
+        return self._heads(k), self._heads(v)
+
+    def position_keys(self, pos: Tensor) -> Tensor:
+        """Per-distance keys [H, K+1, Dh]: W_kR R for "xl", learned rows for "shaw"."""
+        if self.attn_type == "xl":
+            r = self.r_net(pos)  # pos is R [K+1, D]
+            return r.unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
+        # pos holds distances [K+1]; clip into the table (negative: masked pairs only)
+        idx = pos.long().clamp(0, self.r_emb.size(0) - 1)
+        return self.r_emb[idx].transpose(0, 1)
+
+    def score_terms(
+        self, q: Tensor, k: Tensor, rk: Tensor | None, u: Tensor | None, v: Tensor | None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Content scores (a)+(c) [B, H, L, K] and shifted position scores (b)+(d), unscaled."""
+        qc = q if u is None else q + u[:, None, :]
+        content = qc @ k.transpose(-1, -2)
+        if rk is None:
+            return content, None
+        qp = q if v is None else q + v[:, None, :]
+        return content, rel_shift(qp @ rk.transpose(-1, -2))
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        h: Tensor,
+        mem: Tensor | None,
+        mask: Tensor,
+        pos: Tensor | None,
+        u: Tensor | None = None,
+        v: Tensor | None = None,
+        *,
+        past_kv: tuple[Tensor, Tensor] | None = None,
+        return_kv: bool = False,
+        return_probs: bool = False,
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions).
+
+        mask: bool [L, K] or [B, 1, L, K], True where attention is allowed.
+        pos: R [K+1, D] for "xl", distances [K+1] for "shaw", None for absolute encodings.
+        past_kv: keys/values [B, H, M, Dh] already projected for the memory (generation
+            cache); then ``mem`` is not re-projected. ``return_kv`` hands back this segment's.
+        Returns (output [B, L, D], extras) with extras "k", "v" (current positions) and
+        "probs" [B, H, L, K] on request.
+        """
+        qlen = h.size(1)
+        x_cur = self.norm(h) if self.pre_lnorm else h
+        inner = self.n_head * self.d_head
+        q = self._heads(F.linear(x_cur, self.qkv.weight[:inner]))  # [B, H, L, Dh]
+
+        extras: dict[str, Tensor] = {}
+        if past_kv is not None:
+            k_cur, v_cur = self.project_kv(x_cur)
+            k = torch.cat([past_kv[0], k_cur], dim=2)
+            val = torch.cat([past_kv[1], v_cur], dim=2)
+        else:
+            if mem is not None and mem.size(1) > 0:
+                x_all = torch.cat([self.norm(mem) if self.pre_lnorm else mem, x_cur], dim=1)
+            else:
+                x_all = x_cur
+            k, val = self.project_kv(x_all)
+            k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
+        if return_kv:
+            extras["k"], extras["v"] = k_cur, v_cur
+
+        if self.attn_type == "xl":
+            u = self.u if hasattr(self, "u") else u
+            v = self.v if hasattr(self, "v") else v
+        else:
+            u = v = None
+        rk = self.position_keys(pos) if pos is not None else None
+        rk = rk.to(q.dtype) if rk is not None else None
+
+        if self.attn_impl == "sdpa" and not return_probs:
+            attn = self._sdpa(q, k, val, rk, mask, u, v)
+        else:
+            content, position = self.score_terms(q, k, rk, u, v)
+            scores = content if position is None else content + position
+            scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+            probs = torch.softmax(
+                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
+            )
+            probs = probs.to(val.dtype)
+            if return_probs:
+                extras["probs"] = probs
+            probs = F.dropout(probs, self.dropatt, self.training)
+            attn = probs @ val
+
+        out = self.drop(self.out(attn.transpose(1, 2).flatten(2)))  # [B, L, D]
+        out = h + out if self.pre_lnorm else self.norm(h + out)
+        return out, extras
+
+    def _sdpa(
+        self,
+        q: Tensor,
+        k: Tensor,
+        val: Tensor,
+        rk: Tensor | None,
+        mask: Tensor,
+        u: Tensor | None,
+        v: Tensor | None,
+    ) -> Tensor:
+        """Fused path: (a)+(c) inside scaled_dot_product_attention, (b)+(d) as additive bias."""
+        dropout = self.dropatt if self.training else 0.0
+        if rk is None:
+            return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=dropout)
+        qp = q if v is None else q + v[:, None, :]
+        bias = rel_shift(qp @ rk.transpose(-1, -2)) * self.scale
+        bias = bias.masked_fill(~mask, float("-inf"))
+        qc = q if u is None else q + u[:, None, :]
+        return F.scaled_dot_product_attention(
+            qc, k, val, attn_mask=bias, dropout_p=dropout, scale=self.scale
+        )
+
+
+class PositionwiseFF(nn.Module):
+    """Two-layer ReLU network with residual and LayerNorm (post-LN as in the paper)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.pre_lnorm = config.pre_lnorm
+        self.fc1 = nn.Linear(config.d_model, config.d_inner)
+        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, h: Tensor) -> Tensor:
+        x = self.norm(h) if self.pre_lnorm else h
+        out = self.drop(self.fc2(self.drop(F.relu(self.fc1(x)))))
+        return h + out if self.pre_lnorm else self.norm(h + out)

@@ -1,0 +1,212 @@
+"""The Transformer-XL language model (Dai et al. 2019, Sec. 3).
+
+Legend: B batch, L segment length, M memory length, K = M + L, D model dim, V vocabulary.
+
+    out = model(input_ids [B, L], mems=None, reset=None, labels=None, mem_mask=None)
+    out.loss       [B, L] per-token NLL in input order (labels given; -100 is ignored -> 0)
+    out.log_probs  [B, L, V] (labels not given)
+    out.mems       n_layer tensors [B, M', D]: each layer's input states, detached, newest mem_len
+    out.mem_mask   [B, M'] bool or None: memory positions the next segment may attend to
+
+``labels[:, t]`` is the token that follows ``input_ids[:, t]``: the model does no shifting.
+Feed ``out.mems`` and ``out.mem_mask`` back with the next segment of the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from txlm.config import ModelConfig
+from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from txlm.model.attention import PositionwiseFF, RelativeAttention
+from txlm.model.mask import attention_mask
+from txlm.model.memory import empty_memory, update_memory
+from txlm.model.positional import relative_distances, sinusoid
+
+
+@dataclass
+class TransformerXLOutput:
+    mems: list[Tensor]
+    mem_mask: Tensor | None
+    hidden: Tensor  # [B, L, D] last layer's output
+    loss: Tensor | None = None
+    log_probs: Tensor | None = None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.attn = RelativeAttention(config)
+        self.ff = PositionwiseFF(config)
+        if config.attn_type == "alrfou":
+            # Al-Rfou et al.: a learned absolute embedding added to every layer's input.
+            self.pos_emb = nn.Parameter(torch.zeros(config.n_positions, config.d_model))
+
+    def forward(self, h, mem, mask, pos, u, v, **attn_kwargs) -> tuple[Tensor, dict]:
+        out, extras = self.attn(h, mem, mask, pos, u, v, **attn_kwargs)
+        return self.ff(out), extras
+
+
+class TransformerXL(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        assert c.d_embed is not None
+        self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
+        self.drop = nn.Dropout(c.dropout)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
+        if c.attn_type == "xl" and not c.untie_r:
+            # Global content and position biases u, v, shared by all layers (Sec. 3.3).
+            self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
+            self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
+        self.softmax = AdaptiveLogSoftmax(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
+        self.reset_parameters()
+        self.tie_weights()
+
+    # -- construction -------------------------------------------------------------------
+    def tie_weights(self) -> None:
+        """Share output and input embeddings (and projections, per tie_projs)."""
+        c = self.config
+        if c.tie_weight:
+            for out_layer, emb_layer in zip(self.softmax.layers, self.embed.layers, strict=True):
+                out_layer.weight = emb_layer.weight
+        assert c.tie_projs is not None
+        for i, tie in enumerate(c.tie_projs):
+            if not tie or not len(self.softmax.projs):
+                continue
+            self.softmax.projs[i] = self.embed.projs[0 if c.div_val == 1 else i]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, Normal(0, proj_init_std) projections, zero biases."""
+        c = self.config
+        for name, p in self.named_parameters():
+            if p.device.type == "meta":
+                continue
+            leaf = name.rsplit(".", 1)[-1]
+            if "norm" in name:
+                p.fill_(1.0 if leaf == "weight" else 0.0)
+            elif ".projs." in name:
+                p.normal_(0.0, c.proj_init_std)
+            elif leaf == "bias" or leaf == "cluster_bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, c.init_std)
+
+    # -- memory and lengths -------------------------------------------------------------
+    def init_mems(self, batch_size: int) -> list[Tensor]:
+        p = next(self.parameters())
+        return empty_memory(
+            self.config.n_layer, batch_size, self.config.d_model, device=p.device, dtype=p.dtype
+        )
+
+    def set_lengths(
+        self,
+        *,
+        tgt_len: int | None = None,
+        mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
+    ) -> None:
+        """Change the attention lengths, e.g. to evaluate with longer memory than training."""
+        changes = {
+            k: val
+            for k, val in dict(
+                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+            ).items()
+            if val is not None
+        }
+        self.config = self.config.replace(**changes)
+
+    def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if exclude_embeddings:
+            for p in list(self.embed.parameters()) + list(self.softmax.parameters()):
+                params.pop(id(p), None)
+        return sum(p.numel() for p in params.values())
+
+    # -- forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: Tensor,
+        mems: list[Tensor] | None = None,
+        reset: Tensor | None = None,
+        labels: Tensor | None = None,
+        mem_mask: Tensor | None = None,
+    ) -> TransformerXLOutput:
+        hidden, new_mems, next_mask = self.transform(input_ids, mems, reset, mem_mask)
+        out = TransformerXLOutput(mems=new_mems, mem_mask=next_mask, hidden=hidden)
+        flat = hidden.reshape(-1, hidden.size(-1))
+        if labels is not None:
+            out.loss = self.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
+        else:
+            out.log_probs = self.softmax.log_prob(flat).view(*input_ids.shape, -1)
+        return out
+
+    def transform(
+        self,
+        input_ids: Tensor,
+        mems: list[Tensor] | None = None,
+        reset: Tensor | None = None,
+        mem_mask: Tensor | None = None,
+        *,
+        attn_kwargs: dict | None = None,
+        extras: list[dict] | None = None,
+    ) -> tuple[Tensor, list[Tensor], Tensor | None]:
+        """Hidden states [B, L, D], the updated memory and its validity (no output layer).
+
+        ``extras``, when a list, receives each layer's attention extras (see
+        RelativeAttention.forward; ``attn_kwargs`` asks for them).
+        """
+        c = self.config
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
+        qlen = input_ids.size(1)
+        if mems is not None and len(mems) == 0:
+            mems = None
+        if mems is not None and len(mems) != c.n_layer:
+            raise ValueError(f"mems has {len(mems)} layers, the model {c.n_layer}")
+        mlen = 0 if mems is None else mems[0].size(1)
+        klen = mlen + qlen
+        device = input_ids.device
+
+        h = self.embed(input_ids)
+        if c.attn_type == "vaswani":  # absolute position within the segment
+            h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
+        h = self.drop(h)
+
+        mask, next_valid = attention_mask(
+            qlen, mlen, mem_len=c.mem_len, same_length=c.same_length,
+            reset=reset, mem_valid=mem_mask, device=device,
+        )  # fmt: skip
+        pos: Tensor | None = None
+        if c.attn_type == "xl":
+            dist = relative_distances(klen, c.clamp_len, device)
+            pos = self.drop(sinusoid(dist, c.d_model))  # R [K+1, D]
+        elif c.attn_type == "shaw":
+            pos = relative_distances(
+                klen,
+                min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1,
+                device,
+            )
+        u = getattr(self, "u", None)
+        v = getattr(self, "v", None)
+
+        hiddens = []
+        abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
+        for n, layer in enumerate(self.layers):
+            if c.attn_type == "alrfou":
+                h = h + layer.pos_emb[abs_pos].to(h.dtype)
+            hiddens.append(h)
+            h, layer_extras = layer(
+                h, None if mems is None else mems[n], mask, pos, u, v, **(attn_kwargs or {})
+            )
+            if extras is not None:
+                extras.append(layer_extras)
+        h = self.drop(h)
+        new_mems = update_memory(mems, hiddens, c.mem_len)
+        return h, new_mems, next_valid
