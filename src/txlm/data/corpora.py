@@ -195,7 +195,7 @@ def iter_lines_grouped(path: Path, starts_doc: Callable[[str], bool]) -> Iterato
     """Stream a large UTF-8 file line by line, grouping lines into documents."""
     buf: list[str] = []
     size = 0
-    first = True
+    seen_start = False  # lines before the first document start join the first document
     new_doc = True
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -204,10 +204,11 @@ def iter_lines_grouped(path: Path, starts_doc: Callable[[str], bool]) -> Iterato
             except UnicodeDecodeError:
                 raise DataError(f"{path} is not UTF-8 text (line {lineno})") from None
             line = line.replace("\r\n", "\n")
-            if starts_doc(line) and not first and buf:
-                yield "".join(buf), new_doc
-                buf, size, new_doc = [], 0, True
-            first = False
+            if starts_doc(line):
+                if seen_start and buf:
+                    yield "".join(buf), new_doc
+                    buf, size, new_doc = [], 0, True
+                seen_start = True
             buf.append(line)
             size += len(line)
             if size >= PIECE_CHARS:

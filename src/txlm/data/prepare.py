@@ -334,10 +334,10 @@ def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | N
         counts: Counter[str] = Counter()
         for text, _ in train.pieces():
             assert isinstance(text, str)
-            cps, n = np.unique(
-                np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), return_counts=True
-            )
-            counts.update({chr(int(c)): int(k) for c, k in zip(cps, n, strict=True)})
+            # bincount over code points: linear time, and at most 1.1M bins even for emoji
+            bins = np.bincount(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32))
+            seen = np.flatnonzero(bins)
+            counts.update({chr(int(c)): int(bins[c]) for c in seen})
         if not counts:
             raise DataError("the train split is empty")
         # Valid/test characters never seen in train map to <unk> (Shakespeare has a few).
