@@ -196,8 +196,18 @@ def test_pytorch_model_bin_with_tied_aliases(tmp_path: Path) -> None:
 def test_cli_subprocess_convert_then_parity(tmp_path: Path) -> None:
     hf = make_hf(tmp_path / "hf", seed=7, **CASES["everything"])
     proc = subprocess.run(
-        [sys.executable, "-m", "txlm", "convert", "--from", "hf", str(tmp_path / "hf")]
-        + ["--out", str(tmp_path / "tx"), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "txlm",
+            "convert",
+            "--from",
+            "hf",
+            str(tmp_path / "hf"),
+            "--out",
+            str(tmp_path / "tx"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
