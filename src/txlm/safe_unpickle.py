@@ -22,37 +22,26 @@ Three container layouts are accepted, the ones TransfoXL vocabularies were writt
 from __future__ import annotations
 
 import io
-import zipfile
-from collections import Counter, OrderedDict
-from pathlib import Path
-from typing import Any
 
 # The one sanctioned use of the pickle module in src/: its Unpickler is subclassed below so
 # that ``find_class`` admits only the plain containers listed above. Nothing here calls
 # pickle.load / pickle.loads, whose unrestricted global lookup is exactly what we avoid.
 import pickle as _pickle  # restricted loader only
+import zipfile
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Any
 
 from txlm.errors import CheckpointError
 
 # (module, name) -> the object the pickle may reference. Names outside this table are refused.
+_PLAIN_BUILTINS = (dict, list, tuple, set, frozenset, str, bytes, int, float, bool)
 _ALLOWED: dict[tuple[str, str], Any] = {
-    ("builtins", "dict"): dict,
-    ("builtins", "list"): list,
-    ("builtins", "tuple"): tuple,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "str"): str,
-    ("builtins", "bytes"): bytes,
-    ("builtins", "int"): int,
-    ("builtins", "float"): float,
-    ("builtins", "bool"): bool,
+    # Protocols 0-2 spell builtins the Python 2 way (__builtin__), also when Python 3 writes.
+    **{(module, t.__name__): t for t in _PLAIN_BUILTINS for module in ("builtins", "__builtin__")},
+    ("__builtin__", "unicode"): str,
     ("collections", "OrderedDict"): OrderedDict,
     ("collections", "Counter"): Counter,
-    # Python 2 pickles (protocol 2 written by py2) spell builtins as __builtin__.
-    ("__builtin__", "dict"): dict,
-    ("__builtin__", "list"): list,
-    ("__builtin__", "set"): set,
-    ("__builtin__", "unicode"): str,
 }
 
 # First object of a legacy torch.save file (torch/serialization.py's MAGIC_NUMBER).
