@@ -56,6 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     except TxlmError as exc:
         sys.stderr.write(f"txlm: error: {exc}\n")
         return 2
+    except OSError as exc:
+        # The system refused a read or write the user asked for: --out or --data-dir under a
+        # file, a read-only or full disk, a missing directory. That is bad input/environment,
+        # not a bug: one line naming the path, exit 2 (writes are atomic, so nothing already
+        # on disk was damaged). Errors inside txlm's own logic still raise TxlmError.
+        where = f": {exc.filename}" if exc.filename else ""
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        sys.stderr.write(f"txlm: error: {reason}{where}\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("txlm: interrupted\n")
         return 130

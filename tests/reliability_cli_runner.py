@@ -1,0 +1,88 @@
+"""Run many ``python -m txlm ...`` invocations cheaply: a warm parent forks one child per run.
+
+Starting Python and importing torch costs ~1.5 s of CPU per process; the bad-input table has
+dozens of cases. This server imports txlm and every command module once, then for each
+request forks a child that does what ``python -m txlm ARGS`` does after interpreter start-up
+(``runpy.run_module("txlm", run_name="__main__")`` with ``sys.argv`` set), in its own working
+directory and environment, stdout/stderr to files. An uncaught exception is printed by the
+same default hook an interpreter uses, so a traceback shows exactly as it would.
+
+The parent never runs a torch operation: forking after torch has started its intra-op thread
+pool can deadlock the child, so all computation happens in the children.
+
+Protocol (one JSON object per line): request {"argv", "cwd", "env", "stdout", "stderr",
+"timeout"} -> reply {"rc"}; rc is -9 when the child ran past its timeout and was killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+
+def _child(req: dict) -> int:
+    os.chdir(req["cwd"])
+    os.environ.update(req["env"])
+    for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    sys.argv = [os.path.join(os.path.dirname(__import__("txlm").__file__), "__main__.py")]
+    sys.argv += req["argv"]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        runpy.run_module("txlm", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def main() -> None:
+    import torch  # noqa: F401  (warm import only; see the module docstring)
+
+    import txlm.cli
+
+    txlm.cli.build_parser()  # imports every command module
+    for line in sys.stdin:
+        req = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = _child(req)
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + float(req.get("timeout", 120))
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                rc = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                rc = -9
+                break
+            time.sleep(0.01)
+        sys.stdout.write(json.dumps({"rc": rc}) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
