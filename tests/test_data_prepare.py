@@ -184,3 +184,17 @@ def test_cli_subprocess_end_to_end(tmp_path):
     )
     assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0
     assert bad.stderr.startswith("txlm: error:")
+
+
+def test_prepare_rebuilds_a_copy_whose_vocabulary_was_replaced(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("some text to prepare\n" * 100, encoding="utf-8")
+    path = prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    good = (path / "vocab.json").read_text()
+    other = prepare_dataset("shakespeare", tmp_path / "s", progress=False)
+    (path / "vocab.json").write_text((other / "vocab.json").read_text())
+    with pytest.raises(DataError, match="does not match"):
+        load_prepared(path)
+    prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    assert (path / "vocab.json").read_text() == good
+    load_prepared(path)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from txlm.data import corpora
 from txlm.data.corpora import SPECS, SPLITS, RawCorpus
@@ -170,7 +171,12 @@ def _is_current(out: Path, key: str) -> bool:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
-    if meta.get("input_key") != key or not (out / "vocab.json").is_file():
+    if meta.get("input_key") != key:
+        return False
+    try:  # an edited or foreign vocab.json makes the copy stale: rebuild it
+        if Vocab.load(out / "vocab.json").fingerprint != meta.get("vocab_fingerprint"):
+            return False
+    except DataError:
         return False
     dtype = np.dtype(meta["dtype"])
     for info in meta["splits"].values():
@@ -260,7 +266,7 @@ def prepare_dataset(
         vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
         splits_meta = {}
         for split in SPLITS:
-            splits_meta[split] = _encode_split(raw, split, vocab, tmp)
+            splits_meta[split] = _encode_split(raw, split, vocab, tmp, progress=progress)
         vocab.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
@@ -378,12 +384,21 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     return settings
 
 
-def _encode_split(raw: RawCorpus, split: str, vocab: Vocab, folder: Path) -> dict:
+def _encode_split(
+    raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
+) -> dict:
     source = raw.splits[split]
     starts: list[int] = []
     n = 0
     file = folder / f"{split}.bin"
-    with open(file, "wb") as f:
+    bar = tqdm(
+        desc=f"{folder.name.split('.tmp-')[0].lstrip('.')} {split}",
+        unit=" tokens",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+    )
+    with open(file, "wb") as f, bar:
         for text, new_doc in source.pieces():
             if vocab.level == "word":
                 assert isinstance(text, str)
@@ -397,6 +412,7 @@ def _encode_split(raw: RawCorpus, split: str, vocab: Vocab, folder: Path) -> dic
                 starts.append(n)
             f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
             n += len(ids)
+            bar.update(len(ids))
     if n == 0:
         raise DataError(f"the {split} split is empty after tokenisation")
     doc = np.unique(np.asarray([0, *starts], dtype=np.int64))
