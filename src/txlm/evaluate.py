@@ -135,7 +135,9 @@ def evaluate_tokens(
             segments += 1
             if bar is not None:
                 elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(loss=f"{total.item() / max(count, 1):.4f}", tok_s=f"{count / elapsed:.0f}")
+                bar.set_postfix(
+                    loss=f"{total.item() / max(count, 1):.4f}", tok_s=f"{count / elapsed:.0f}"
+                )
                 bar.update(1)
     finally:
         if bar is not None:

@@ -161,7 +161,7 @@ class TrainConfig:
         # The model keys: validated by building the config with a stand-in vocabulary.
         if "vocab_size" in self.model:
             raise ConfigError("model.vocab_size comes from the data's vocabulary; do not set it")
-        self.model_config(vocab_size=max(2, *[c + 1 for c in self.model.get("cutoffs", [])]))
+        self.model_config(vocab_size=max([2, *[c + 1 for c in self.model.get("cutoffs", [])]]))
 
 
 # -- composition ------------------------------------------------------------------------
