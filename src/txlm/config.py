@@ -237,6 +237,9 @@ class Preset:
     paper_params: float | None = None  # parameter count the paper reports
     dataset: str | None = None
     note: str = ""
+    # Training defaults for ``txlm train --preset NAME`` (txlm.train_config): nested sections
+    # {"data": {...}, "optim": {...}, "eval": {...}, "run": {...}} over TrainConfig's defaults.
+    train: dict[str, Any] = field(default_factory=dict)
 
 
 # Vocabulary sizes of the corpora the paper presets are meant for (the original code's).
@@ -261,6 +264,12 @@ PRESETS: dict[str, Preset] = {
             dropout=0.0,
         ),
         eval=dict(tgt_len=16, mem_len=32),
+        train=dict(
+            data=dict(batch_size=4),
+            optim=dict(lr=1e-3, warmup_steps=2, max_steps=20),
+            eval=dict(eval_interval=10, max_eval_steps=4, batch_size=2, sample_tokens=20),
+            run=dict(log_interval=5, progress=False),
+        ),
     ),
     "shakespeare-char": Preset(
         source="this project's default run: minutes on 2 CPU cores",
