@@ -388,7 +388,8 @@ def _encode_split(
     raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
 ) -> dict:
     source = raw.splits[split]
-    starts: list[int] = []
+    # numpy chunks, not one list of ints: lm1b has 30M sentence starts (1 GB as Python ints)
+    starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
     n = 0
     file = folder / f"{split}.bin"
     bar = tqdm(
@@ -405,17 +406,17 @@ def _encode_split(
                 ids_list, line_starts = vocab.encode_lines(text)
                 ids = np.asarray(ids_list, dtype=vocab.dtype)
                 if source.line_docs:
-                    starts.extend(n + s for s in line_starts)
+                    starts.append(n + np.asarray(line_starts, dtype=np.int64))
             else:
                 ids = vocab.encode_array(text).astype(vocab.dtype)
             if new_doc and not source.line_docs:
-                starts.append(n)
+                starts.append(np.array([n], dtype=np.int64))
             f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
             n += len(ids)
             bar.update(len(ids))
     if n == 0:
         raise DataError(f"the {split} split is empty after tokenisation")
-    doc = np.unique(np.asarray([0, *starts], dtype=np.int64))
+    doc = np.unique(np.concatenate(starts))
     doc = doc[doc < n]
     info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
     info["documents"] = len(doc)
