@@ -8,7 +8,10 @@ type, never a partially loaded model, and never code run from the file.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,15 @@ from safetensors.torch import save_file
 
 import txlm
 from reliability_helpers import evil_os_system_pickle, evil_pickle, evil_torch_zip, snapshot
-from txlm.checkpoint import CONFIG_FILE, WEIGHTS_FILE, atomic_directory, load, read_config, save
+from txlm.checkpoint import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    atomic_directory,
+    load,
+    read_config,
+    resolve,
+    save,
+)
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError
 from txlm.model import TransformerXL
@@ -378,3 +389,86 @@ def test_atomic_directory_over_file_parent_fails_cleanly(tmp_path: Path) -> None
     with pytest.raises(OSError):
         atomic_directory(blocker / "ckpt", lambda tmp: None)
     assert blocker.read_text() == "x"
+
+
+# -- crash at every step of a checkpoint swap ------------------------------------------------
+
+
+def _write_version(version: str) -> Callable[[Path], None]:
+    def fill(tmp: Path) -> None:
+        (tmp / "a").write_text(version)
+        (tmp / "b").write_text(version)
+
+    return fill
+
+
+def _complete_version(target: Path) -> str:
+    """The version a reader finds through resolve(); it must be whole (a and b agree)."""
+    d = resolve(target)
+    a, b = (d / "a").read_text(), (d / "b").read_text()
+    assert a == b, f"half-written checkpoint at {d}: {a!r} vs {b!r}"
+    return a
+
+
+def _crash_during_swap(target: Path, version: str, crash_at: int) -> bool:
+    """Run atomic_directory in a child that dies (os._exit, no cleanup: like SIGKILL) at its
+    ``crash_at``-th rename/rmtree/fsync call. Returns whether the crash point was reached."""
+    import txlm.checkpoint as ck
+
+    pid = os.fork()
+    if pid == 0:  # the child does no torch work: forking here is safe
+        calls = [0]
+
+        def hook(real):
+            def f(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == crash_at:
+                    os._exit(17)
+                return real(*args, **kwargs)
+
+            return f
+
+        ck.os.rename = hook(os.rename)  # type: ignore[attr-defined]
+        ck.shutil.rmtree = hook(ck.shutil.rmtree)  # type: ignore[attr-defined]
+        ck.os.fsync = hook(os.fsync)  # type: ignore[attr-defined]
+        try:
+            atomic_directory(target, _write_version(version))
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 17
+
+
+@pytest.mark.parametrize("start", ["complete", "after-crashed-swap"])
+def test_crash_at_every_step_of_two_swaps(tmp_path: Path, start: str) -> None:
+    """SIGKILL at any filesystem step of a save, then again at any step of the next save:
+    resolve() always finds a whole checkpoint, the newest or the one before it."""
+    k1 = 1
+    cases = 0
+    while True:
+        case = tmp_path / f"c{k1}"
+        target = case / "last"
+        if start == "complete":
+            atomic_directory(target, _write_version("v1"))
+        else:  # the state a crash between the two renames leaves: only last.old
+            atomic_directory(case / "last.old", _write_version("v1"))
+        if not _crash_during_swap(target, "v2", k1):
+            break  # k1 is past the last step: every crash point has been tried
+        assert _complete_version(target) in ("v1", "v2")
+        k2 = 1
+        while True:
+            sub = tmp_path / f"c{k1}-{k2}"
+            shutil.copytree(case, sub, symlinks=True)
+            reached = _crash_during_swap(sub / "last", "v3", k2)
+            assert _complete_version(sub / "last") in (("v1", "v2", "v3"))
+            cases += 1
+            if not reached:
+                assert _complete_version(sub / "last") == "v3"
+                break
+            k2 += 1
+        # A later save that is not interrupted cleans up: one dir, no temp dirs left behind.
+        atomic_directory(target, _write_version("v4"))
+        assert _complete_version(target) == "v4"
+        assert sorted(p.name for p in case.iterdir()) == ["last"], list(case.iterdir())
+        k1 += 1
+    assert k1 > 4 and cases > 10  # the swap has several steps; all were interrupted

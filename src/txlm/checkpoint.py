@@ -66,21 +66,47 @@ def write_json(path: Path, data: Any) -> None:
         raise
 
 
+def _remove_stale_temps(target: Path) -> None:
+    """Delete temp dirs for ``target`` left by writers that died (SIGKILL, power loss).
+
+    Temp names carry the writer's pid; one whose process no longer exists is garbage. A live
+    pid (ours, or another process writing the same target) is left alone.
+    """
+    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
+        parts = tmp.name[len(target.name) + 2 :].split(".")
+        if not parts or not parts[0].isdigit() or not tmp.is_dir():
+            continue
+        try:
+            os.kill(int(parts[0]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:  # exists but not ours (EPERM): not stale
+            pass
+
+
 def atomic_directory(target: Path, fill: Callable[[Path], None]) -> Path:
     """Create ``target`` by calling ``fill(tmpdir)`` and renaming tmpdir into place."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    _remove_stale_temps(target)
+    tmp = Path(
+        tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
+    )
     try:
         fill(tmp)
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         old = target.with_name(target.name + ".old")
-        if old.exists():
-            shutil.rmtree(old)
         if target.exists():
+            # target is complete (it only ever appears by rename), so an old copy beside it
+            # is a leftover and can go before target is moved aside.
+            if old.exists():
+                shutil.rmtree(old)
             os.rename(target, old)
+        # else: a crash hit between the two renames of an earlier swap, and old is the only
+        # complete copy; it must survive until the new one is in place (deleting it first
+        # left a window in which a SIGKILL lost the checkpoint).
         os.rename(tmp, target)
         _fsync_dir(target.parent)
         shutil.rmtree(old, ignore_errors=True)
