@@ -11,7 +11,8 @@ The parent never runs a torch operation: forking after torch has started its int
 pool can deadlock the child, so all computation happens in the children.
 
 Protocol (one JSON object per line): request {"argv", "cwd", "env", "stdout", "stderr",
-"timeout"} -> reply {"rc"}; rc is -9 when the child ran past its timeout and was killed.
+"timeout"} -> replies {"pid"} at once (so a test can signal the child) and {"rc"} when it
+ends: its exit code, or minus the signal that killed it (-9 also when it ran past timeout).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def main() -> None:
                 code = _child(req)
             finally:
                 os._exit(code)
+        sys.stdout.write(json.dumps({"pid": pid}) + "\n")  # the caller may signal the child
+        sys.stdout.flush()
         deadline = time.monotonic() + float(req.get("timeout", 120))
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)

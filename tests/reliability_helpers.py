@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import pickle
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
 
 
 class _CreatesFile:
@@ -68,3 +73,90 @@ def snapshot(*roots: Path) -> dict[str, str]:
                 p = Path(dirpath, f)
                 out[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "?"
     return out
+
+
+# A small corpus: 40-odd distinct characters, enough lines to split into train/valid/test.
+_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "hex",
+    "bold",
+    "jackals",
+]
+
+
+def corpus_text(lines: int = 400) -> str:
+    out = []
+    for i in range(lines):
+        words = [_WORDS[(i * 7 + j * 3) % len(_WORDS)] for j in range(4 + i % 5)]
+        out.append(" ".join(words).capitalize() + ("." if i % 3 else ","))
+    return "\n".join(out) + "\n"
+
+
+class Runner:
+    """Client of the fork server in reliability_cli_runner.py (one child at a time)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "reliability_cli_runner.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=subprocess_env(),
+        )
+
+    def start(
+        self, argv: list[str], cwd: Path, io_dir: Path, env: dict[str, str], timeout: float = 120
+    ) -> int:
+        """Fork ``python -m txlm ARGV`` in ``cwd``; returns the child's pid (for signals)."""
+        io_dir.mkdir(parents=True, exist_ok=True)
+        self._io = io_dir
+        req = {
+            "argv": argv,
+            "cwd": str(cwd),
+            "env": env,
+            "stdout": str(io_dir / "stdout"),
+            "stderr": str(io_dir / "stderr"),
+            "timeout": timeout,
+        }
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self.proc.stdout.readline())["pid"])
+
+    def wait(self) -> tuple[int, str, str]:
+        """The exit code (minus the signal that killed it), stdout and stderr."""
+        assert self.proc.stdout is not None
+        rc = int(json.loads(self.proc.stdout.readline())["rc"])
+        return (
+            rc,
+            (self._io / "stdout").read_text(errors="replace"),
+            (self._io / "stderr").read_text(errors="replace"),
+        )
+
+    def run(self, argv: list[str], cwd: Path, io_dir: Path, env: dict[str, str]) -> tuple:
+        self.start(argv, cwd, io_dir, env)
+        return self.wait()
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TXLM_DATA_DIR", None)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
+    env["OMP_NUM_THREADS"] = "1"
+    return env

@@ -19,7 +19,6 @@ on this branch yet is skipped with that reason.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -29,38 +28,18 @@ from pathlib import Path
 
 import pytest
 
-from reliability_helpers import evil_os_system_pickle, evil_pickle, evil_torch_zip, snapshot
+from reliability_helpers import (
+    Runner,
+    corpus_text,
+    evil_os_system_pickle,
+    evil_pickle,
+    evil_torch_zip,
+    snapshot,
+    subprocess_env,
+)
 
 HERE = Path(__file__).resolve().parent
 MARKER = "PWNED"  # the file a crafted pickle would create, relative to the working directory
-
-# A small corpus: 40-odd distinct characters, enough lines to split into train/valid/test.
-_WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "hex",
-    "bold",
-    "jackals",
-]
-
-
-def _corpus_text(lines: int = 400) -> str:
-    out = []
-    for i in range(lines):
-        words = [_WORDS[(i * 7 + j * 3) % len(_WORDS)] for j in range(4 + i % 5)]
-        out.append(" ".join(words).capitalize() + ("." if i % 3 else ","))
-    return "\n".join(out) + "\n"
-
 
 # -- assets built once -----------------------------------------------------------------------
 
@@ -75,7 +54,7 @@ def assets(tmp_path_factory) -> Path:
     from txlm.model import TransformerXL
 
     root = tmp_path_factory.mktemp("assets")
-    (root / "corpus.txt").write_text(_corpus_text())
+    (root / "corpus.txt").write_text(corpus_text())
     ds = prepare_dataset(f"text:{root / 'corpus.txt'}", root / "data", progress=False)
     corpus = load_prepared(ds)
     torch.manual_seed(0)
@@ -452,51 +431,6 @@ CASES: list[Case] = [
 # -- running ---------------------------------------------------------------------------------
 
 
-class Runner:
-    """The fork server of reliability_cli_runner, started once per module."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "reliability_cli_runner.py")],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
-
-    def run(self, argv: list[str], cwd: Path, io_dir: Path, env: dict[str, str]) -> tuple:
-        req = {
-            "argv": argv,
-            "cwd": str(cwd),
-            "env": env,
-            "stdout": str(io_dir / "stdout"),
-            "stderr": str(io_dir / "stderr"),
-            "timeout": 120,
-        }
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        reply = json.loads(self.proc.stdout.readline())
-        return (
-            reply["rc"],
-            (io_dir / "stdout").read_text(errors="replace"),
-            (io_dir / "stderr").read_text(errors="replace"),
-        )
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TXLM_DATA_DIR", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 @pytest.fixture(scope="module")
 def runner():
     r = Runner()
@@ -577,7 +511,7 @@ def test_bad_input_real_subprocess(case_id: str, assets: Path, tmp_path: Path) -
         pytest.skip(f"`txlm {case.command}` is not on this branch yet")
     work, _ = _prepare_workdir(case, assets, tmp_path)
     before = snapshot(work)
-    env = {**_env(), "TXLM_DATA_DIR": str(work / "data")}
+    env = {**subprocess_env(), "TXLM_DATA_DIR": str(work / "data")}
     proc = subprocess.run(
         [sys.executable, "-m", "txlm", *case.argv],
         cwd=work,
