@@ -53,6 +53,8 @@ def test_shakespeare_layout_split_and_round_trip(shakespeare):
     valid_text = "".join(_read(p) for p in files["valid"])
     assert len(corpus.split("valid")) == len(valid_text)
     assert corpus.meta["vocab_fingerprint"] == corpus.vocab.fingerprint
+    # characters unseen in train (say, in a prompt) become <unk>
+    assert corpus.vocab.encode("Ω")[0] == corpus.vocab.unk_id == len(corpus.vocab) - 1
     assert all(len(s["sha256"]) == 64 for s in corpus.meta["sources"])
 
 
