@@ -167,8 +167,9 @@ class _SegmentStream:
     ) -> Batch:
         data = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64))
         non_blocking = self.device.type == "cuda"
-        x = data[:, :-1].to(self.device, non_blocking=non_blocking)
-        y = data[:, 1:].to(self.device, non_blocking=non_blocking)
+        # contiguous, so that callers may .view() them (a shifted slice is not)
+        x = data[:, :-1].contiguous().to(self.device, non_blocking=non_blocking)
+        y = data[:, 1:].contiguous().to(self.device, non_blocking=non_blocking)
         reset = None
         if flags is not None:
             reset = torch.from_numpy(flags).to(self.device, non_blocking=non_blocking)
