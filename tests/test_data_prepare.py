@@ -200,3 +200,22 @@ def test_prepare_rebuilds_a_copy_whose_vocabulary_was_replaced(tmp_path):
     prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
     assert (path / "vocab.json").read_text() == good
     load_prepared(path)
+
+
+def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_path, monkeypatch):
+    import txlm.data.prepare as prep
+
+    f = tmp_path / "t.txt"
+    f.write_text("first version\n" * 100, encoding="utf-8")
+    path = prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    f.write_text("second version\n" * 100, encoding="utf-8")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "_encode_split", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["text-t"]

@@ -26,6 +26,11 @@ Document modes:
   Labels are not altered: the token after a document's last token is still predicted (from
   that document), as in ``continue`` mode, so both modes score the same tokens.
 
+Iterating continues from the current position to the end of that epoch; the next loop
+starts the next epoch. For evaluation, build a fresh iterator (or call ``set_epoch(0)``) for
+every pass over a split. The last batch of an epoch may be shorter than ``tgt_len`` so that
+every token of the rows is used.
+
 ``state_dict()`` records (epoch, next batch) and the settings that define the layout; a
 resumed iterator yields exactly the batches an uninterrupted one would, also with another
 world size. The token array stays where it is (usually a read-only memmap); only batches are
