@@ -219,3 +219,18 @@ def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_p
         prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["text-t"]
+
+
+def test_many_document_offsets_go_to_a_side_file(tmp_path, monkeypatch):
+    import txlm.data.prepare as prep
+
+    f = tmp_path / "t.txt"
+    f.write_text("".join(f"doc {i}\n\n\n" for i in range(40)), encoding="utf-8")
+    inline = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "a", progress=False))
+    monkeypatch.setattr(prep, "INLINE_DOC_STARTS", 3)
+    side = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "b", progress=False))
+    assert "doc_starts_file" in side.meta["splits"]["train"]
+    assert (side.path / "train.docs.bin").is_file()
+    for split in ("train", "valid", "test"):
+        assert np.array_equal(side.doc_starts(split), inline.doc_starts(split))
+    assert len(side.doc_starts("train")) == 36  # 40 documents, 2 valid, 2 test
