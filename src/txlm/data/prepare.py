@@ -346,8 +346,9 @@ def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | N
             counts.update({chr(int(c)): int(bins[c]) for c in seen})
         if not counts:
             raise DataError("the train split is empty")
-        # Valid/test characters never seen in train map to <unk> (Shakespeare has a few).
-        return Vocab.build_char(counts, unk=True)
+        # Characters never seen in train (in valid/test, or in a generation prompt) map to
+        # <unk>. text8 has a fixed 27-letter alphabet and no <unk>: the paper's softmax.
+        return Vocab.build_char(counts, unk=raw.char_unk)
     words: Counter[str] = Counter()
     for text, _ in train.pieces():
         assert isinstance(text, str)
@@ -372,7 +373,11 @@ def read_lm1b_vocab(path: Path) -> Vocab:
 def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     settings: dict = {"level": level, "newlines": "\\r\\n read as \\n; a leading BOM dropped"}
     if level == "char":
-        settings["unknown"] = "characters not in train map to <unk>"
+        settings["unknown"] = (
+            "characters not in train map to <unk>"
+            if vocab.unk
+            else "no <unk>: a fixed alphabet, every character occurs in train"
+        )
     if level == "word":
         settings.update(
             split="whitespace",
