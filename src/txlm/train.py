@@ -61,8 +61,12 @@ class TrainingError(TxlmError):
 
 
 # -- learning-rate schedules ------------------------------------------------------------
-def learning_rate(step: int, config: TrainConfig) -> float:
-    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then decay."""
+def learning_rate(step: float, config: TrainConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): linear warm-up, then decay.
+
+    ``step`` may be fractional: with a time budget the schedule runs on the step that the
+    elapsed fraction of the budget corresponds to (``Trainer.schedule_step``).
+    """
     o = config.optim
     if o.warmup_steps > 0 and step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
@@ -373,6 +377,7 @@ class Trainer:
         self.memory = Memory()
         self.train_seconds = 0.0
         self.tokens_seen = 0
+        self.time_up = False
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
 
@@ -399,12 +404,25 @@ class Trainer:
             self._batches = iter(self.stream)  # the iterator moves on to the next epoch
             return next(self._batches)
 
+    def schedule_step(self) -> float:
+        """The step the schedule is at: the step count, or further on if time runs short."""
+        budget = self.config.run.time_budget_s
+        if budget is None:
+            return self.step
+        return max(self.step, self.config.optim.max_steps * self.train_seconds / budget)
+
+    def out_of_time(self) -> bool:
+        budget = self.config.run.time_budget_s
+        # Every rank stops at the same step: rank 0's clock decides.
+        late = torch.tensor([float(budget is not None and self.train_seconds >= budget)])
+        return bool(dist.broadcast_tensor(late).item())
+
     def train_step(self) -> dict[str, float]:
         c = self.config
         batch = self._next_batch()
         if batch.index == 0:
             self.memory = Memory()  # an epoch starts every row afresh
-        lr = learning_rate(self.step, c)
+        lr = learning_rate(self.schedule_step(), c)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -697,6 +715,13 @@ class Trainer:
                     interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
                 flag = torch.tensor([float(self.signals.received)])
                 stopped_by = int(dist.all_reduce_max(flag).item())
+                if self.out_of_time():
+                    if self.echo:
+                        _tqdm_write(
+                            f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
+                        )
+                    self.time_up = True
+                    break
                 validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
                 if validate_now and self.step < o.max_steps and not stopped_by:
                     self._validate_and_save(log)
@@ -725,7 +750,7 @@ class Trainer:
             return {"stopped": True, "step": self.step, "exit_code": 128 + stopped_by}
 
         summary: dict[str, Any] = {"step": self.step, "stopped": False}
-        finished = self.step >= o.max_steps
+        finished = self.step >= o.max_steps or self.time_up
         if finished:
             self._validate_and_save(log)  # the final validation decides `best` too
         else:

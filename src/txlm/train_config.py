@@ -85,6 +85,10 @@ class RunConfig:
     log_interval: int = 10  # steps between metric records
     save_interval: int = 0  # also save `last` every N steps (0: at validations and the end)
     stop_at: int | None = None  # stop (resumably) after this step, schedule unchanged
+    # Wall-clock cap on training (seconds of train steps, validation excluded): the schedule
+    # runs on max(step / max_steps, time / budget), so a slow machine still gets a complete
+    # cosine decay, and training ends when either runs out. Makes a run machine-dependent.
+    time_budget_s: float | None = None
     progress: bool = True
     tensorboard: bool = True  # when the tensorboard package is installed
 
@@ -154,6 +158,10 @@ class TrainConfig:
         check(r.save_interval >= 0, f"run.save_interval must be >= 0, got {r.save_interval}")
         check(r.threads is None or r.threads >= 1, f"run.threads must be >= 1, got {r.threads}")
         check(r.stop_at is None or r.stop_at >= 1, f"run.stop_at must be >= 1, got {r.stop_at}")
+        check(
+            r.time_budget_s is None or r.time_budget_s > 0,
+            f"run.time_budget_s must be > 0, got {r.time_budget_s}",
+        )
         check(
             r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
             f"run.device must be auto, cpu or cuda[:N], got {r.device!r}",
