@@ -11,15 +11,17 @@ N - 1 output values grow with the text.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from txlm.errors import ConfigError
+from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model.transformer import TransformerXL
 
 
@@ -118,3 +120,81 @@ def summarize(log_probs: Tensor, *, tgt_len: int, mem_len: int) -> TextScore:
         tgt_len=tgt_len,
         mem_len=mem_len,
     )
+
+
+def checkpoint_vocab(directory: str | Path) -> Any:
+    """The vocabulary saved with a checkpoint (``vocab.json``, a ``txlm.data.Vocab``)."""
+    from txlm.checkpoint import VOCAB_FILE, resolve
+    from txlm.data import Vocab  # only text in / text out needs the data package
+
+    path = resolve(directory) / VOCAB_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{resolve(directory)} has no {VOCAB_FILE}: cannot encode text")
+    return Vocab.load(path)
+
+
+def score_file(
+    checkpoint: str | Path,
+    path: str | Path,
+    *,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
+
+    Lengths default to the checkpoint's evaluation lengths when training recorded them
+    (``train.eval`` in config.json), else to the model's. Symbols outside the vocabulary
+    become ``<unk>`` when it has one, else the file is refused.
+    """
+    from txlm.checkpoint import load, read_config, resolve
+
+    ckpt = resolve(checkpoint)
+    saved = (read_config(ckpt).get("train") or {}).get("eval") or {}
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"text file {file} does not exist")
+    model = load(ckpt, device=device)
+    vocab = checkpoint_vocab(ckpt)
+    if len(vocab) != model.config.vocab_size:
+        raise CheckpointError(
+            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
+        )
+    try:
+        text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{file} is not UTF-8 text: {exc}") from None
+    ids = torch.as_tensor(vocab.encode(text), dtype=torch.long)
+
+    def pick(value: Any, key: str) -> Any:
+        return value if value is not None else saved.get(key)
+
+    lengths = dict(
+        tgt_len=pick(tgt_len, "eval_tgt_len"),
+        mem_len=pick(mem_len, "eval_mem_len"),
+        clamp_len=pick(clamp_len, "eval_clamp_len"),
+        same_length=pick(same_length, "same_length"),
+    )
+    began = time.perf_counter()
+    log_probs = score(model, ids, **lengths, progress=progress)
+    seconds = time.perf_counter() - began
+    used = model.config.replace(**{k: v for k, v in lengths.items() if v is not None})
+    result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
+    metric = "bpc" if vocab.level in ("char", "byte") else "ppl"
+    unk = vocab.unk_id
+    result.update(
+        file=str(file),
+        checkpoint=str(ckpt),
+        metric=metric,
+        loss=result["nll"],
+        clamp_len=used.clamp_len,
+        same_length=used.same_length,
+        unk_tokens=0 if unk is None else int((ids == unk).sum()),
+        seconds=round(seconds, 4),
+        tokens_per_s=round(log_probs.numel() / seconds, 1) if seconds > 0 else 0.0,
+    )
+    result[metric] = result["bits_per_token"] if metric == "bpc" else result["ppl"]
+    return result

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from txlm.checkpoint import VOCAB_FILE, load, resolve
+from txlm.checkpoint import load
 from txlm.errors import CheckpointError, ConfigError
 from txlm.generate import SamplingConfig, stream
+from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
 
@@ -52,19 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
     p.add_argument("--clamp-len", type=int, default=None, metavar="N")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
-
-
-def load_vocab(directory: str | Path) -> Any:
-    """The checkpoint's vocabulary (txlm.data.Vocab)."""
-    from txlm.data import Vocab  # the data package is only needed for text in/out
-
-    path = resolve(directory) / VOCAB_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{resolve(directory)} has no {VOCAB_FILE}: cannot encode text")
-    return Vocab.load(path)
 
 
 def start_token(vocab: Any) -> int | None:
@@ -150,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_context < 0:
         raise ConfigError(f"--max-context must be >= 0 (0: all), got {args.max_context}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     text = _read_prompt(args)
     try:
         device = torch.device(args.device)
@@ -157,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
 
     model = load(args.checkpoint, device=device)
-    vocab = load_vocab(args.checkpoint)
+    vocab = checkpoint_vocab(args.checkpoint)
     if len(vocab) != model.config.vocab_size:
         raise CheckpointError(
             f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
