@@ -185,6 +185,21 @@ def test_bad_weights_are_refused(tmp_path: Path, edit, message: str) -> None:
     assert not (tmp_path / "tx").exists()
 
 
+def test_stacked_untied_biases_are_split(tmp_path: Path) -> None:
+    hf = make_hf(tmp_path / "hf")  # untie_r=True: one pair per layer
+
+    def stack(state):
+        for which in ("w", "r"):
+            layers = [state.pop(f"transformer.layers.{n}.dec_attn.r_{which}_bias") for n in (0, 1)]
+            state[f"transformer.r_{which}_bias"] = torch.stack(layers)
+
+    edit_weights(tmp_path / "hf", stack)
+    convert_hf(tmp_path / "hf", tmp_path / "tx")
+    tx = txlm.load(tmp_path / "tx")
+    assert torch.equal(tx.layers[1].attn.u, hf.transformer.layers[1].dec_attn.r_w_bias)
+    assert torch.equal(tx.layers[0].attn.v, hf.transformer.layers[0].dec_attn.r_r_bias)
+
+
 def test_tied_aliases_that_disagree_are_refused(tmp_path: Path) -> None:
     make_hf(tmp_path / "hf", safe=False)
     path = tmp_path / "hf" / "pytorch_model.bin"

@@ -193,6 +193,7 @@ def test_pytorch_model_bin_with_tied_aliases(tmp_path: Path) -> None:
     assert_parity(run_both(hf, txlm.load(tmp_path / "tx"), ids))
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch: several seconds on a busy machine
 def test_cli_subprocess_convert_then_parity(tmp_path: Path) -> None:
     hf = make_hf(tmp_path / "hf", seed=7, **CASES["everything"])
     proc = subprocess.run(
