@@ -55,7 +55,9 @@ def _child(req: dict) -> int:
 
 
 def main() -> None:
-    import torch  # noqa: F401  (warm import only; see the module docstring)
+    # Warm imports only (see the module docstring).
+    import torch
+    import torch._dynamo  # noqa: F401  (torch.optim imports it: ~2 s per training child)
 
     import txlm.cli
 

@@ -43,9 +43,31 @@ MARKER = "PWNED"  # the file a crafted pickle would create, relative to the work
 
 # -- assets built once -----------------------------------------------------------------------
 
+TRAIN_BASE = [
+    "train",
+    "--preset",
+    "debug",
+    "--set",
+    "data.dataset=text:corpus.txt",
+    "data.batch_size=4",
+    "eval.eval_interval=0",
+    "eval.final_eval=false",
+    "eval.sample_tokens=0",
+    "run.tensorboard=false",
+    "run.progress=false",
+    "run.threads=1",
+]
+
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
+def runner():
+    r = Runner()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory, runner: Runner) -> Path:
     import torch
 
     from txlm.checkpoint import save
@@ -57,6 +79,17 @@ def assets(tmp_path_factory) -> Path:
     (root / "corpus.txt").write_text(corpus_text())
     ds = prepare_dataset(f"text:{root / 'corpus.txt'}", root / "data", progress=False)
     corpus = load_prepared(ds)
+    # Another corpus (other symbols: another vocabulary) for the vocab/checkpoint mismatch.
+    (root / "other.txt").write_text("0123456789+-*/=\n" * 300)
+    prepare_dataset(f"text:{root / 'other.txt'}", root / "data", progress=False)
+    # A real (2-step) training run: `run/best` and `run/last` as eval/generate/resume see them.
+    rc, _, err = runner.run(
+        [*TRAIN_BASE, "optim.max_steps=2", "--out", "run"],
+        root,
+        root / "io",
+        {"TXLM_DATA_DIR": str(root / "data")},
+    )
+    assert rc == 0, err
     torch.manual_seed(0)
     model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(corpus.vocab)))
     save(model, root / "ckpt", vocab_json=corpus.vocab.to_json())
@@ -163,6 +196,28 @@ EVIL = evil_pickle(Path(MARKER))
 EVIL_SYSTEM = evil_os_system_pickle(Path(MARKER))
 EVIL_ZIP = evil_torch_zip(Path(MARKER))
 
+# Known defects in other areas (xfail strict: a fix turns the case into an XPASS failure).
+XF_YAML = (
+    "train: train_config.load_yaml reads the file with read_text() and catches only "
+    "OSError/YAMLError; a non-UTF-8 file raises UnicodeDecodeError: traceback, exit 1"
+)
+XF_RESUME_OPT = (
+    "train: Trainer._load_resume reads optimizer.safetensors (load_optimizer/safe_open) "
+    "without mapping its errors (SafetensorError) to CheckpointError: traceback, exit 1"
+)
+XF_RESUME_STATE = (
+    "train: Trainer._load_resume reads trainer_state.json (json.loads) without mapping "
+    "its errors (JSONDecodeError) to CheckpointError: traceback, exit 1"
+)
+XF_RESUME_MEM = (
+    "train: Trainer._load_resume reads memory.safetensors (load_file) without mapping its "
+    "errors (SafetensorError) to CheckpointError: traceback, exit 1"
+)
+XF_VOCAB = (
+    "data: Vocab.load reads vocab.json with read_text(encoding='utf-8') outside any try; "
+    "a non-UTF-8 file (here a pickle) raises UnicodeDecodeError: traceback, exit 1"
+)
+
 CASES: list[Case] = [
     # ---- prepare -------------------------------------------------------------------------
     Case("prepare-empty-file", ["prepare", "text:empty.txt"], "empty", write("empty.txt", "")),
@@ -186,6 +241,13 @@ CASES: list[Case] = [
     ),
     Case(
         "prepare-too-short", ["prepare", "text:short.txt"], "too short", write("short.txt", "ab\n")
+    ),
+    Case(
+        "prepare-pickle-as-corpus",
+        ["prepare", "text:corpus.pkl"],
+        "corpus.pkl",
+        write("corpus.pkl", EVIL),
+        pickle=True,
     ),
     Case("prepare-missing-file", ["prepare", "text:nope.txt"], "nope.txt"),
     Case("prepare-empty-folder", ["prepare", "text:folder"], "no .txt", _mkdir("folder")),
@@ -380,6 +442,337 @@ CASES: list[Case] = [
     ),
     Case("convert-unknown-source", ["convert", "--from", "tf", "hf", "--out", "o"], "--from"),
     Case("convert-no-out", ["convert", "--from", "hf", "hf"], "--out"),
+    # ---- train ---------------------------------------------------------------------------
+    Case("train-unknown-preset", ["train", "--preset", "gpt-5"], "gpt-5"),
+    Case(
+        "train-zero-layers", ["train", "--preset", "debug", "--set", "model.n_layer=0"], "n_layer"
+    ),
+    Case(
+        "train-unknown-key", ["train", "--preset", "debug", "--set", "model.n_layerz=2"], "n_layerz"
+    ),
+    Case("train-wrong-type", ["train", "--preset", "debug", "--set", "optim.lr=fast"], "optim.lr"),
+    Case(
+        "train-negative-batch",
+        ["train", "--preset", "debug", "--set", "data.batch_size=-4"],
+        "batch_size",
+    ),
+    Case(
+        "train-zero-tgt-len", ["train", "--preset", "debug", "--set", "data.tgt_len=0"], "tgt_len"
+    ),
+    Case(
+        "train-negative-mem-len",
+        ["train", "--preset", "debug", "--set", "model.mem_len=-1"],
+        "mem_len",
+    ),
+    Case(
+        "train-set-without-equals", ["train", "--preset", "debug", "--set", "optim.lr"], "optim.lr"
+    ),
+    Case(
+        "train-yaml-wrong-type",
+        ["train", "--preset", "debug", "--config", "c.yaml"],
+        "max_steps",
+        write("c.yaml", "optim:\n  max_steps: ten\n"),
+    ),
+    Case(
+        "train-yaml-unknown-section",
+        ["train", "--preset", "debug", "--config", "c.yaml"],
+        "optimiser",
+        write("c.yaml", "optimiser:\n  lr: 0.1\n"),
+    ),
+    Case(
+        "train-yaml-binary",
+        ["train", "--preset", "debug", "--config", "c.yaml"],
+        "c.yaml",
+        write("c.yaml", EVIL),
+        pickle=True,
+        xfail=XF_YAML,
+    ),
+    Case(
+        "train-yaml-missing", ["train", "--preset", "debug", "--config", "nope.yaml"], "nope.yaml"
+    ),
+    Case(
+        "train-yaml-python-tag",
+        ["train", "--preset", "debug", "--config", "c.yaml"],
+        "c.yaml",
+        write("c.yaml", f"optim: !!python/object/apply:os.system ['touch {MARKER}']\n"),
+        pickle=True,
+    ),
+    Case(
+        "train-missing-corpus",
+        [*TRAIN_BASE, "data.dataset=text:nope.txt", "--out", "run"],
+        "nope.txt",
+    ),
+    Case(
+        "train-empty-corpus",
+        [*TRAIN_BASE, "data.dataset=text:empty.txt", "--out", "run"],
+        "empty",
+        both(_mkdir("data"), write("empty.txt", "")),
+    ),
+    Case(
+        "train-corpus-too-small-for-batch",
+        [*TRAIN_BASE, "data.batch_size=2048", "--out", "run"],
+        "too few",
+        uses=("corpus.txt", "data"),
+    ),
+    Case(
+        "train-out-under-file",
+        [*TRAIN_BASE, "--out", "blocker/run"],
+        "blocker",
+        write("blocker", "x"),
+        uses=("corpus.txt", "data"),
+    ),
+    Case("train-resume-missing", ["train", "--resume", "run/last"], "run/last"),
+    Case(
+        "train-resume-from-best",
+        ["train", "--resume", "run/best"],
+        "last",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-resume-truncated-weights",
+        ["train", "--resume", "run/last"],
+        "model.safetensors",
+        truncate("run/last/model.safetensors", 0.5),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-resume-zero-byte-optimizer",
+        ["train", "--resume", "run/last"],
+        "optimizer",
+        write("run/last/optimizer.safetensors", b""),
+        uses=("corpus.txt", "data", "run"),
+        xfail=XF_RESUME_OPT,
+    ),
+    Case(
+        "train-resume-pickled-optimizer",
+        ["train", "--resume", "run/last"],
+        "optimizer",
+        write("run/last/optimizer.safetensors", EVIL_ZIP),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+        xfail=XF_RESUME_OPT,
+    ),
+    Case(
+        "train-resume-truncated-state",
+        ["train", "--resume", "run/last"],
+        "trainer_state.json",
+        truncate("run/last/trainer_state.json", 0.5),
+        uses=("corpus.txt", "data", "run"),
+        xfail=XF_RESUME_STATE,
+    ),
+    Case(
+        "train-resume-pickled-memory",
+        ["train", "--resume", "run/last"],
+        "memory",
+        write("run/last/memory.safetensors", EVIL),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+        xfail=XF_RESUME_MEM,
+    ),
+    Case(
+        "train-resume-with-preset",
+        ["train", "--resume", "run/last", "--preset", "debug"],
+        "--preset",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-resume-config-wrong-type",
+        ["train", "--resume", "run/last"],
+        "lr",
+        edit_json("run/last/config.json", lambda d: d["train"]["optim"].__setitem__("lr", "x")),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    # ---- eval ----------------------------------------------------------------------------
+    Case("eval-missing-checkpoint", ["eval", "run/best"], "run/best"),
+    Case(
+        "eval-zero-byte-weights",
+        ["eval", "run/best"],
+        "model.safetensors",
+        write("run/best/model.safetensors", b""),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-truncated-weights",
+        ["eval", "run/best"],
+        "model.safetensors",
+        truncate("run/best/model.safetensors", 0.9),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-pickle-as-checkpoint",
+        ["eval", "run/best"],
+        "model.safetensors",
+        write("run/best/model.safetensors", EVIL_ZIP),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+    ),
+    Case(
+        "eval-foreign-checkpoint",
+        ["eval", "hf"],
+        "not a txlm checkpoint",
+        uses=("hf",),
+    ),
+    Case(
+        "eval-config-wrong-type",
+        ["eval", "run/best"],
+        "d_model",
+        edit_json("run/best/config.json", lambda d: d["model"].__setitem__("d_model", 32.5)),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-config-unknown-key",
+        ["eval", "run/best"],
+        "rope",
+        edit_json("run/best/config.json", lambda d: d["model"].__setitem__("rope", True)),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-vocab-mismatch",
+        ["eval", "run/best", "--dataset", "text:other.txt"],
+        "vocabulary",
+        uses=("corpus.txt", "other.txt", "data", "run"),
+    ),
+    Case(
+        "eval-missing-split",
+        ["eval", "run/best", "--split", "test"],
+        "test",
+        edit_json("data/text-corpus/meta.json", lambda d: d["splits"].pop("test")),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case("eval-unknown-split", ["eval", "run/best", "--split", "dev"], "--split"),
+    Case(
+        "eval-zero-tgt-len",
+        ["eval", "run/best", "--tgt-len", "0"],
+        "tgt-len",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-negative-mem-len",
+        ["eval", "run/best", "--mem-len", "-1"],
+        "mem-len",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-zero-batch",
+        ["eval", "run/best", "--batch-size", "0"],
+        "batch-size",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "eval-pickle-as-corpus-meta",
+        ["eval", "run/best"],
+        "meta.json",
+        write("data/text-corpus/meta.json", EVIL),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+        xfail="data: a prepared dataset whose meta.json is not UTF-8 (here a pickle) raises "
+        "UnicodeDecodeError from prepare._is_current / load_prepared (read_text catches only "
+        "OSError/JSONDecodeError): traceback, exit 1",
+    ),
+    Case(
+        "eval-pickle-as-corpus-tokens",
+        ["eval", "run/best"],
+        "test.bin",
+        lambda w: (w / "data/text-corpus/test.bin").write_bytes(
+            (EVIL * 100)[: (w / "data/text-corpus/test.bin").stat().st_size]
+        ),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+        xfail="data/eval: token ids of a prepared split are never checked against the "
+        "vocabulary (load_prepared/PreparedCorpus.split); a same-size foreign file (here a "
+        "pickle) reaches the embedding: IndexError traceback, exit 1",
+    ),
+    Case(
+        "eval-pickle-as-corpus-vocab",
+        ["eval", "run/best"],
+        "vocab.json",
+        write("data/text-corpus/vocab.json", EVIL),
+        uses=("corpus.txt", "data", "run"),
+        pickle=True,
+        xfail=XF_VOCAB,
+    ),
+    # ---- generate ------------------------------------------------------------------------
+    Case("generate-missing-checkpoint", ["generate", "nope", "--prompt", "a"], "nope"),
+    Case(
+        "generate-negative-tokens",
+        ["generate", "run/best", "--prompt", "The", "--max-new-tokens", "-1"],
+        "max-new-tokens",
+        uses=("run",),
+    ),
+    Case(
+        "generate-top-p-above-one",
+        ["generate", "run/best", "--prompt", "The", "--top-p", "1.5"],
+        "top-p",
+        uses=("run",),
+    ),
+    Case(
+        "generate-zero-top-k",
+        ["generate", "run/best", "--prompt", "The", "--top-k", "0"],
+        "top-k",
+        uses=("run",),
+    ),
+    Case(
+        "generate-negative-temperature",
+        ["generate", "run/best", "--prompt", "The", "--temperature", "-1"],
+        "temperature",
+        uses=("run",),
+    ),
+    Case(
+        "generate-zero-samples",
+        ["generate", "run/best", "--prompt", "The", "--num-samples", "0"],
+        "num-samples",
+        uses=("run",),
+    ),
+    Case(
+        "generate-no-vocab",
+        ["generate", "run/best", "--prompt", "The"],
+        "vocab",
+        lambda w: (w / "run/best/vocab.json").unlink(),
+        uses=("run",),
+    ),
+    Case(
+        "generate-vocab-not-json",
+        ["generate", "run/best", "--prompt", "The"],
+        "vocab",
+        write("run/best/vocab.json", EVIL),
+        uses=("run",),
+        pickle=True,
+        xfail=XF_VOCAB,
+    ),
+    Case(
+        "generate-pickle-as-checkpoint",
+        ["generate", "run/best", "--prompt", "The"],
+        "model.safetensors",
+        write("run/best/model.safetensors", EVIL),
+        uses=("run",),
+        pickle=True,
+    ),
+    Case(
+        "generate-vocab-size-mismatch",
+        ["generate", "run/best", "--prompt", "The"],
+        "vocab",
+        lambda w: shutil.copy2(w / "data/text-other/vocab.json", w / "run/best/vocab.json"),
+        uses=("run", "data"),
+    ),
+    Case(
+        "generate-prompt-file-binary",
+        ["generate", "run/best", "--prompt-file", "p.txt"],
+        "p.txt",
+        write("p.txt", b"\xff\xfe\x00\x80" * 10),
+        uses=("run",),
+    ),
+    Case(
+        "generate-prompt-file-missing",
+        ["generate", "run/best", "--prompt-file", "p.txt"],
+        "p.txt",
+        uses=("run",),
+    ),
+    Case(
+        "generate-negative-mem-len",
+        ["generate", "run/best", "--prompt", "The", "--mem-len", "-5"],
+        "mem_len",
+        uses=("run",),
+    ),
     # ---- info (checkpoint reader) --------------------------------------------------------
     Case(
         "info-zero-byte-weights",
@@ -429,13 +822,6 @@ CASES: list[Case] = [
 
 
 # -- running ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = Runner()
-    yield r
-    r.close()
 
 
 def _commands() -> set[str]:
@@ -501,7 +887,7 @@ def test_bad_input(case: Case, assets: Path, runner: Runner, tmp_path: Path) -> 
 
 
 # A few cases again as real `python -m txlm` subprocesses: the runner must not hide anything.
-REAL = ["prepare-binary", "convert-evil-vocab-bin", "info-truncated-weights"]
+REAL = ["convert-evil-vocab-bin", "eval-vocab-mismatch", "generate-pickle-as-checkpoint"]
 
 
 @pytest.mark.parametrize("case_id", REAL)

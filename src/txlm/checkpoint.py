@@ -201,6 +201,16 @@ def _check_shapes(weights: Path, model: TransformerXL) -> None:
             )
 
 
+_BUILD_DIRECTLY_BELOW = 20_000_000  # parameters; larger models are built on the meta device
+
+
+def _rough_parameter_count(c: ModelConfig) -> int:
+    """An upper-end estimate from the config alone (attention, feed-forward, embeddings)."""
+    assert c.d_embed is not None
+    per_layer = 4 * c.d_model * c.n_head * c.d_head + 2 * c.d_model * c.d_inner
+    return c.n_layer * per_layer + 2 * c.vocab_size * max(c.d_embed, c.d_model)
+
+
 def load(directory: str | Path, *, device: str | torch.device = "cpu") -> TransformerXL:
     """A model in eval mode from a checkpoint directory."""
     directory = resolve(directory)
@@ -212,11 +222,21 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
-    with torch.device("meta"):
-        model = TransformerXL(config)
-    _check_shapes(weights, model)  # before allocating what config.json claims
-    model = model.to_empty(device=device)
-    model.tie_weights()
+    if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
+        # A small model is cheaper to build for real (milliseconds of random init) than on
+        # the meta device, whose first use imports torch's Python reference kernels (~2 s of
+        # start-up for every `txlm eval/generate`). fork_rng: loading must not advance the
+        # caller's random stream (a resumed run restores its own RNG state afterwards).
+        with torch.random.fork_rng(devices=[]):
+            model = TransformerXL(config)
+        _check_shapes(weights, model)
+        model = model.to(device)
+    else:
+        with torch.device("meta"):
+            model = TransformerXL(config)
+        _check_shapes(weights, model)  # before allocating what config.json claims
+        model = model.to_empty(device=device)
+        model.tie_weights()
     try:
         missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
