@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -120,7 +121,7 @@ def test_cosine_with_warmup():
     assert learning_rate(9, c) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: mean of ends
     assert learning_rate(14, c) == pytest.approx(0.1)
     lrs = [learning_rate(s, c) for s in range(4, 15)]
-    assert all(a >= b for a, b in zip(lrs, lrs[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_inverse_sqrt_and_constant():

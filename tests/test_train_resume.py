@@ -6,8 +6,9 @@ import json
 
 import pytest
 import torch
-from _train_helpers import FAST, metrics, tiny_text, txlm, weights
 from safetensors.torch import load_file
+
+from _train_helpers import FAST, metrics, tiny_text, txlm, weights
 
 pytestmark = pytest.mark.slow
 
