@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ def _common(text) -> list[str]:
     ]
 
 
-def test_resume_is_bitwise_exact(data):
+def test_resume_is_bitwise_exact(data, capsys):
     root, text = data
     straight, paused = root / "straight", root / "paused"
     r = txlm(["train", *_common(text), "--out", str(straight)], root)
@@ -64,6 +65,14 @@ def test_resume_is_bitwise_exact(data):
     lb = [(m["step"], m["loss"]) for m in metrics(paused)]
     assert la == lb and [s for s, _ in la] == list(range(1, 9))
     # Changing the model on resume is refused with one line.
-    r = txlm(["train", "--resume", str(paused / "last"), "--set", "model.n_layer=3"], root)
-    assert r.returncode == 2 and r.stderr.startswith("txlm: error:")
-    assert "model" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    from txlm.cli import main
+
+    os.environ["TXLM_DATA_DIR"] = str(root)
+    try:
+        code = main(["train", "--resume", str(paused / "last"), "--set", "model.n_layer=3"])
+    finally:
+        del os.environ["TXLM_DATA_DIR"]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("txlm: error:") and "model" in err
+    assert len(err.strip().splitlines()) == 1
