@@ -327,7 +327,10 @@ class Trainer:
         data_dir = Path(config.data.data_dir) if config.data.data_dir else default_data_dir()
         if self.dist.is_main:
             path = prepare_dataset(
-                config.data.dataset, data_dir, level=config.data.level, progress=self.echo
+                config.data.dataset,
+                data_dir,
+                level=config.data.level,
+                progress=self.echo and r.progress and sys.stderr.isatty(),
             )
         dist.barrier()
         if not self.dist.is_main:

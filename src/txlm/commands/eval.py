@@ -84,8 +84,9 @@ def run(args: argparse.Namespace) -> int:
     if not dataset:
         raise CheckpointError(f"{ckpt} does not name its dataset: pass --dataset")
     data_dir = args.data_dir or data.get("data_dir") or default_data_dir()
+    show = not args.no_progress and not args.json and sys.stderr.isatty()
     corpus = load_prepared(
-        prepare_dataset(dataset, data_dir, level=data.get("level"), progress=not args.json)
+        prepare_dataset(dataset, data_dir, level=data.get("level"), progress=show)
     )
     fingerprint = saved.get("vocab_fingerprint")
     if fingerprint is None and (ckpt / checkpoint.VOCAB_FILE).is_file():
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,
-        progress=not args.no_progress and not args.json and sys.stderr.isatty(),
+        progress=show,
         desc=args.split,
     )
     result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
