@@ -171,3 +171,26 @@ def test_score_file_reports_bpc(char_ckpt, tmp_path) -> None:
     lp = score(model, vocab.encode(f.read_text()), tgt_len=16, mem_len=32)
     assert res["tokens"] == 179 and res["metric"] == "bpc"
     assert res["bpc"] == pytest.approx(float(-lp.double().mean()) / 0.6931471805599453)
+
+
+def test_eval_file_command_helper(char_ckpt, tmp_path, capsys) -> None:
+    """What ``txlm eval CKPT --file F`` runs (txlm.commands.eval_file)."""
+    import argparse
+
+    from txlm.commands import eval_file
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("--tgt-len", type=int)
+    parser.add_argument("--mem-len", type=int)
+    parser.add_argument("--json", action="store_true")
+    eval_file.add_arguments(parser)
+    f = tmp_path / "t.txt"
+    f.write_text("ROMEO: a cat sat.\n" * 5)
+    args = parser.parse_args([str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json"])
+    assert eval_file.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 89 and out["tgt_len"] == 8 and out["metric"] == "bpc"
+    args = parser.parse_args([str(char_ckpt), "--file", str(tmp_path / "none.txt")])
+    with pytest.raises(txlm.TxlmError, match="does not exist"):
+        eval_file.run(args)

@@ -443,7 +443,10 @@ def stream(
         decoder: _Decoder = CachedDecoder(model) if use_cache else UncachedDecoder(model)
         if generator is None:
             generator = torch.Generator(device=decoder.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+            if seed is None:
+                generator.seed()  # nondeterministic, and leaves the global RNG alone
+            else:
+                generator.manual_seed(seed)
         if max_new_tokens == 0:
             return
         log_probs = decoder.prefill(rows, start_id=start_id)

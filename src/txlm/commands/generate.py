@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -172,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     start = start_token(vocab)
     if not ids and start is None:
         raise ConfigError("empty prompt, and the vocabulary has no symbol to start from")
-    seed = args.seed if args.seed is not None else int(torch.seed() % (2**31))
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     if args.seed is None and not args.json:
         sys.stderr.write(f"txlm: seed {seed}\n")
 
