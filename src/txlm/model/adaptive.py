@@ -9,8 +9,10 @@ clusters. With ``div_val > 1`` rarer clusters get narrower embeddings, each proj
 With no cutoffs both classes reduce to a plain embedding and a full softmax.
 
 Layout note: the head softmax scores the shortlist tokens followed by one logit per tail
-cluster, and cluster i (1-based) owns head column -i, as in the original code. We keep that
-order so converted weights need no reshuffling.
+cluster, and cluster i (1-based) owns head column shortlist + i - 1 (row i - 1 of
+cluster_weight), as the original code's training loss does. Published checkpoints were
+trained that way, so converted weights need no reshuffling. (HF's ``log_prob`` helper reads
+column -i instead, which disagrees with its own forward when there are 2+ tail clusters.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ import itertools
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """Half-precision logits are normalised in float32; float32/float64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 def _cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[tuple[int, int]]:
@@ -116,11 +123,11 @@ class AdaptiveLogSoftmax(nn.Module):
         if self.n_clusters:
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)
-        return F.log_softmax(self._logits(hidden, weight, bias, proj).float(), dim=-1)
+        return F.log_softmax(_upcast(self._logits(hidden, weight, bias, proj)), dim=-1)
 
     # -- public -------------------------------------------------------------------------
     def log_prob(self, hidden: Tensor) -> Tensor:
-        """hidden [N, P] -> log-probabilities [N, V] (float32)."""
+        """hidden [N, P] -> log-probabilities [N, V] (float32 at least)."""
         head = self._head_log_probs(hidden)
         if not self.n_clusters:
             return head
@@ -128,8 +135,8 @@ class AdaptiveLogSoftmax(nn.Module):
         out[:, : self.shortlist] = head[:, : self.shortlist]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
-            tail = F.log_softmax(self._logits(hidden, *self._weights(i)).float(), dim=-1)
-            out[:, lo:hi] = head[:, -i, None] + tail
+            tail = F.log_softmax(_upcast(self._logits(hidden, *self._weights(i))), dim=-1)
+            out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
         return out
 
     def nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
@@ -144,14 +151,14 @@ class AdaptiveLogSoftmax(nn.Module):
         cluster = torch.bucketize(
             target, torch.tensor(self.cutoffs, device=target.device), right=True
         )  # 0: shortlist, i: tail cluster i
-        head_col = torch.where(cluster == 0, target, self.shortlist + self.n_clusters - cluster)
+        head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)
         nll = -head.gather(1, head_col[:, None]).squeeze(1)
         for i in range(1, self.n_clusters + 1):
             lo, _ = self.bounds[i]
             # Runs on empty selections too, so every parameter is used each step (DDP).
             idx = ((cluster == i) & ~ignore).nonzero().squeeze(1)
             logits = self._logits(hidden.index_select(0, idx), *self._weights(i))
-            tail = F.log_softmax(logits.float(), dim=-1)
+            tail = F.log_softmax(_upcast(logits), dim=-1)
             picked = tail.gather(1, (target.index_select(0, idx) - lo)[:, None]).squeeze(1)
             nll = nll.index_add(0, idx, -picked)
         return nll.masked_fill(ignore, 0.0)
