@@ -1,7 +1,7 @@
 """Generation speed: txlm cached vs txlm uncached vs transformers 4.37.2 TransfoXL ``generate``.
 
-Same weights (a random Hugging Face model converted to txlm here, parity checked before
-timing), same prompt, same number of new tokens, top-k 40 sampling, one process, rounds
+Same weights (a random Hugging Face model converted with ``txlm.convert``, parity checked
+before timing), same prompt, same number of new tokens, top-k 40 sampling, one process, rounds
 interleaved (HF, cached, uncached, HF, ...) so load on the machine hits all three alike.
 
     txlm cached    txlm.generate: memory K/V cached per layer, one token projected per step
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import statistics
 import sys
 import time
@@ -40,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from txlm.config import ModelConfig
+from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 from txlm.generate import CachedDecoder, SamplingConfig, UncachedDecoder, sample
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
@@ -66,25 +65,7 @@ SHAPES = {
 }  # fmt: skip
 
 
-# -- weights: Hugging Face TransfoXL -> txlm ----------------------------------------------------
-_RULES = [
-    (r"transformer\.word_emb\.emb_layers\.(\d+)\.weight", r"embed.layers.\1.weight"),
-    (r"transformer\.word_emb\.emb_projs\.(\d+)", r"embed.projs.\1"),
-    (r"transformer\.layers\.(\d+)\.dec_attn\.qkv_net\.weight", r"layers.\1.attn.qkv.weight"),
-    (r"transformer\.layers\.(\d+)\.dec_attn\.o_net\.weight", r"layers.\1.attn.out.weight"),
-    (r"transformer\.layers\.(\d+)\.dec_attn\.r_net\.weight", r"layers.\1.attn.r_net.weight"),
-    (r"transformer\.layers\.(\d+)\.dec_attn\.layer_norm\.(\w+)", r"layers.\1.attn.norm.\2"),
-    (r"transformer\.layers\.(\d+)\.dec_attn\.r_w_bias", r"layers.\1.attn.u"),  # content bias
-    (r"transformer\.layers\.(\d+)\.dec_attn\.r_r_bias", r"layers.\1.attn.v"),  # position bias
-    (r"transformer\.layers\.(\d+)\.pos_ff\.CoreNet\.0\.(\w+)", r"layers.\1.ff.fc1.\2"),
-    (r"transformer\.layers\.(\d+)\.pos_ff\.CoreNet\.3\.(\w+)", r"layers.\1.ff.fc2.\2"),
-    (r"transformer\.layers\.(\d+)\.pos_ff\.layer_norm\.(\w+)", r"layers.\1.ff.norm.\2"),
-    (r"crit\.cluster_(weight|bias)", r"softmax.cluster_\1"),
-    (r"crit\.out_layers\.(\d+)\.(\w+)", r"softmax.layers.\1.\2"),
-    (r"crit\.out_projs\.(\d+)", r"softmax.projs.\1"),
-]
-
-
+# -- weights: a random Hugging Face TransfoXL, converted with txlm.convert -------------------
 def hf_model(shape: dict):
     from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
@@ -108,34 +89,9 @@ def hf_model(shape: dict):
 
 
 def convert(hf) -> TransformerXL:
-    c = hf.config
-    config = ModelConfig(
-        vocab_size=c.vocab_size, n_layer=c.n_layer, d_model=c.d_model, n_head=c.n_head,
-        d_head=c.d_head, d_inner=c.d_inner, d_embed=c.d_embed, cutoffs=list(c.cutoffs),
-        div_val=c.div_val, tgt_len=c.tgt_len, mem_len=c.mem_len, clamp_len=c.clamp_len,
-        same_length=c.same_length, untie_r=True, dropout=0.0, pre_lnorm=c.pre_lnorm,
-        tie_projs=list(c.tie_projs), layer_norm_eps=c.layer_norm_epsilon,
-    )  # fmt: skip
-    model = TransformerXL(config)
-    ours: dict[str, torch.Tensor] = {}
-    for name, tensor in hf.state_dict().items():
-        if name.endswith("inv_freq"):
-            continue
-        if name.startswith("crit.cluster_"):
-            # HF's head gives tail cluster i column shortlist + i - 1; txlm (and the original
-            # code) column -i: the same rows in reverse order.
-            tensor = tensor.flip(0)
-        for pattern, target in _RULES:
-            if re.fullmatch(pattern, name):
-                ours[re.sub(pattern, target, name)] = tensor
-                break
-        else:
-            raise KeyError(f"no rule for {name}")
-    missing, unexpected = model.load_state_dict(ours, strict=False)
-    assert not unexpected, unexpected
-    tied = {n for n, _ in model.named_parameters()}
-    assert not [k for k in missing if k in tied and k not in ours], missing
-    return model.eval()
+    """The same weights as a txlm model (txlm.convert's name map, strict both ways)."""
+    config = hf_config_to_model_config(hf.config.to_dict())
+    return load_hf_state_dict(hf.state_dict(), config).eval()
 
 
 @torch.no_grad()

@@ -399,7 +399,9 @@ class CachedDecoder(_Decoder):
                 qp = q if v is None else q + v[:, None, :]
                 scores = scores + rel_shift(qp @ rk.transpose(-1, -2))  # (b) + (d)
             scores = (scores * attn.scale).masked_fill(blocked, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
+            probs = torch.softmax(
+                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
+            ).to(values.dtype)  # half precision normalised in float32, float64 kept
             out = attn.out((probs @ values).transpose(1, 2).flatten(2))  # [B, L, D]
             h = h + out if attn.pre_lnorm else attn.norm(h + out)
             h = layer.ff(h)
