@@ -52,7 +52,7 @@ SHAPES = {
             vocab_size=10000, n_layer=4, d_model=256, n_head=8, d_head=32, d_inner=1024,
             tgt_len=128, mem_len=256, clamp_len=-1, same_length=False,
         ),
-        prompt=256, new=64,
+        prompt=256, new=128,
     ),
     "wt103-base": dict(
         model=dict(
@@ -60,7 +60,7 @@ SHAPES = {
             cutoffs=[8000, 16000], div_val=1, tgt_len=64, mem_len=640, clamp_len=400,
             same_length=True,
         ),
-        prompt=640, new=32,
+        prompt=640, new=48,
     ),
 }  # fmt: skip
 
