@@ -194,3 +194,16 @@ def test_eval_file_command_helper(char_ckpt, tmp_path, capsys) -> None:
     args = parser.parse_args([str(char_ckpt), "--file", str(tmp_path / "none.txt")])
     with pytest.raises(txlm.TxlmError, match="does not exist"):
         eval_file.run(args)
+
+
+def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:
+    f = tmp_path / "prompt.txt"
+    f.write_text("ROMEO: a cat sat on a mat. " * 4)  # 108 characters
+    base = ["generate", str(char_ckpt), "--max-new-tokens", "5", "--seed", "2", "--json"]
+    assert main([*base, "--prompt-file", str(f), "--max-context", "20"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["prompt_tokens"] == 20 and "reading the last 20" in cap.err
+    # the trimmed context is exactly what is read: same ids as passing its last 20 characters
+    assert main([*base, "--prompt", f.read_text()[-20:]]) == 0
+    assert json.loads(capsys.readouterr().out)["sample_ids"] == out["sample_ids"]
