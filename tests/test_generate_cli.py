@@ -125,12 +125,12 @@ def test_empty_prompt_unk_and_samples(word_ckpt, capsys) -> None:
     base = ["generate", str(word_ckpt), "--max-new-tokens", "6", "--seed", "1", "--json"]
     assert main([*base, "--prompt", ""]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompt_tokens"] == 0 and len(out["sample_ids"][0]) == 6
+    assert out["prompt_tokens"] == [0] and len(out["sample_ids"][0]) == 6
     assert main([*base, "--prompt", "the zebra cat", "--num-samples", "3"]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)
     assert "1 prompt symbol(s) not in the vocabulary -> <unk>" in cap.err
-    assert out["prompt_tokens"] == 3  # no <eos> after an unfinished line
+    assert out["prompt_tokens"] == [3]  # no <eos> after an unfinished line
     assert len(out["samples"]) == 3 and len({tuple(s) for s in out["sample_ids"]}) > 1
 
 
@@ -203,7 +203,20 @@ def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:
     assert main([*base, "--prompt-file", str(f), "--max-context", "20"]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)
-    assert out["prompt_tokens"] == 20 and "reading the last 20" in cap.err
+    assert out["prompt_tokens"] == [20] and "reading the last 20" in cap.err
     # the trimmed context is exactly what is read: same ids as passing its last 20 characters
     assert main([*base, "--prompt", f.read_text()[-20:]]) == 0
     assert json.loads(capsys.readouterr().out)["sample_ids"] == out["sample_ids"]
+
+
+def test_several_prompts_in_one_batch(word_ckpt, capsys) -> None:
+    """Rows of different lengths, each as if run alone (greedy: no sampling order effects)."""
+    base = ["generate", str(word_ckpt), "--max-new-tokens", "7", "--greedy", "--json"]
+    prompts = ["the cat sat on a mat and", "dog", ""]
+    assert main([*base, *(f"--prompt={p}" for p in prompts), "--num-samples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [7, 1, 0] and len(out["sample_ids"]) == 6
+    for i, p in enumerate(prompts):
+        assert main([*base, f"--prompt={p}"]) == 0
+        alone = json.loads(capsys.readouterr().out)["sample_ids"][0]
+        assert out["sample_ids"][2 * i] == out["sample_ids"][2 * i + 1] == alone

@@ -200,21 +200,6 @@ class KVCache:
         self.end += n
         self.start = max(self.start, self.end - self.mem_len)
 
-    def append(self, ks: list[Tensor], vs: list[Tensor]) -> None:
-        """Append each layer's keys/values [B, H, L, Dh] of L new positions, all valid."""
-        new = ks[0].size(2)
-        keep = min(new, self.mem_len)  # older ones would be trimmed at once
-        if keep == 0:
-            self.start = self.end
-            return
-        self.reserve(keep)
-        e = self.end
-        for n, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            self.k[n, :, :, e : e + keep] = k[:, :, new - keep :]
-            self.v[n, :, :, e : e + keep] = v[:, :, new - keep :]
-        self.valid[:, e : e + keep] = True
-        self.advance(keep)
-
 
 class _Decoder:
     """Shared by the cached and uncached decoders: reading the context."""
@@ -267,6 +252,7 @@ class _Decoder:
         return self.model.softmax.log_prob(hidden[:, -1])
 
     def _segments(self, width: int) -> list[tuple[int, int]]:
+        """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
         tgt = self.config.tgt_len
         first = width % tgt or tgt
         bounds = [(0, first)]
