@@ -125,12 +125,12 @@ def test_empty_prompt_unk_and_samples(word_ckpt, capsys) -> None:
     base = ["generate", str(word_ckpt), "--max-new-tokens", "6", "--seed", "1", "--json"]
     assert main([*base, "--prompt", ""]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["prompt_tokens"] == 0 and len(out["sample_ids"][0]) == 6
+    assert out["prompt_tokens"] == [0] and len(out["sample_ids"][0]) == 6
     assert main([*base, "--prompt", "the zebra cat", "--num-samples", "3"]) == 0
     cap = capsys.readouterr()
     out = json.loads(cap.out)
     assert "1 prompt symbol(s) not in the vocabulary -> <unk>" in cap.err
-    assert out["prompt_tokens"] == 3  # no <eos> after an unfinished line
+    assert out["prompt_tokens"] == [3]  # no <eos> after an unfinished line
     assert len(out["samples"]) == 3 and len({tuple(s) for s in out["sample_ids"]}) > 1
 
 
@@ -171,3 +171,52 @@ def test_score_file_reports_bpc(char_ckpt, tmp_path) -> None:
     lp = score(model, vocab.encode(f.read_text()), tgt_len=16, mem_len=32)
     assert res["tokens"] == 179 and res["metric"] == "bpc"
     assert res["bpc"] == pytest.approx(float(-lp.double().mean()) / 0.6931471805599453)
+
+
+def test_eval_file_command_helper(char_ckpt, tmp_path, capsys) -> None:
+    """What ``txlm eval CKPT --file F`` runs (txlm.commands.eval_file)."""
+    import argparse
+
+    from txlm.commands import eval_file
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("--tgt-len", type=int)
+    parser.add_argument("--mem-len", type=int)
+    parser.add_argument("--json", action="store_true")
+    eval_file.add_arguments(parser)
+    f = tmp_path / "t.txt"
+    f.write_text("ROMEO: a cat sat.\n" * 5)
+    args = parser.parse_args([str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json"])
+    assert eval_file.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 89 and out["tgt_len"] == 8 and out["metric"] == "bpc"
+    args = parser.parse_args([str(char_ckpt), "--file", str(tmp_path / "none.txt")])
+    with pytest.raises(txlm.TxlmError, match="does not exist"):
+        eval_file.run(args)
+
+
+def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:
+    f = tmp_path / "prompt.txt"
+    f.write_text("ROMEO: a cat sat on a mat. " * 4)  # 108 characters
+    base = ["generate", str(char_ckpt), "--max-new-tokens", "5", "--seed", "2", "--json"]
+    assert main([*base, "--prompt-file", str(f), "--max-context", "20"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["prompt_tokens"] == [20] and "reading the last 20" in cap.err
+    # the trimmed context is exactly what is read: same ids as passing its last 20 characters
+    assert main([*base, "--prompt", f.read_text()[-20:]]) == 0
+    assert json.loads(capsys.readouterr().out)["sample_ids"] == out["sample_ids"]
+
+
+def test_several_prompts_in_one_batch(word_ckpt, capsys) -> None:
+    """Rows of different lengths, each as if run alone (greedy: no sampling order effects)."""
+    base = ["generate", str(word_ckpt), "--max-new-tokens", "7", "--greedy", "--json"]
+    prompts = ["the cat sat on a mat and", "dog", ""]
+    assert main([*base, *(f"--prompt={p}" for p in prompts), "--num-samples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [7, 1, 0] and len(out["sample_ids"]) == 6
+    for i, p in enumerate(prompts):
+        assert main([*base, f"--prompt={p}"]) == 0
+        alone = json.loads(capsys.readouterr().out)["sample_ids"][0]
+        assert out["sample_ids"][2 * i] == out["sample_ids"][2 * i + 1] == alone

@@ -2,9 +2,8 @@
 
 Dimension legend
     B  rows (prompts x samples)     P  padded prompt length       L  segment length
-    M  memory length (<= mem_len)   K  keys of one decoding step = M + 1
+    M  memory length (<= mem_len)   K  keys = M + L (M + 1 for a one-token step)
     N  layers   H  heads   Dh head dim   D  model dim   V  vocabulary   C  cache capacity
-    T  distances a step can need = mem_len + 1 (0 .. mem_len)
 
 Procedure (Appendix E): the context is read in segments of ``tgt_len`` with memory carried
 from segment to segment, so the memory holds the newest ``mem_len`` states of every layer; the
@@ -15,12 +14,13 @@ renormalised top-k (k = 40 by default), optionally top-p, at a temperature.
 Why a cache. Transformer-XL's memory stores each layer's *input* hidden states; a forward pass
 re-projects all M of them to keys and values, O(M D^2) per layer and token. The projections
 never change once made (inference: no dropout, fixed weights), so ``CachedDecoder`` keeps them:
-per layer the keys and values of the memory positions (for pre-LN of the normalised states),
+per layer the keys and values of the memory positions (for pre-LN, of the normalised states),
 trimmed to ``mem_len`` exactly as the memory is. A step then projects one token and attends
-over M + 1 cached keys: O(M D) attention work per layer. The relative position keys
-W_kR R_d depend only on the distance d, and a single query at key index K-1 sees key j at
-distance K-1-j <= mem_len, so they are computed once for d = 0 .. mem_len (clamped like the
-model clamps) and sliced each step: exact however the window slides.
+over M + 1 cached keys: O(M D) attention work per layer. The context segments use the same
+cache, so no memory state is ever projected twice. The relative position keys W_kR R_d depend
+only on the distance d, and a segment with K keys needs exactly the distances K-1 .. 0 (and the
+masked -1), so they are computed once per layer for d up to mem_len + tgt_len (clamped as the
+model clamps) and sliced: exact however the window slides.
 
 Segmentation of the context is aligned to its END (the last segment is full, the first holds
 the remainder). Two reasons: the token that predicts the first new word sees the most context,
@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txlm.errors import ConfigError
+from txlm.model.attention import rel_shift
+from txlm.model.mask import attention_mask
 from txlm.model.positional import sinusoid
 from txlm.model.transformer import TransformerXL
 
@@ -198,21 +200,6 @@ class KVCache:
         self.end += n
         self.start = max(self.start, self.end - self.mem_len)
 
-    def append(self, ks: list[Tensor], vs: list[Tensor]) -> None:
-        """Append each layer's keys/values [B, H, L, Dh] of L new positions, all valid."""
-        new = ks[0].size(2)
-        keep = min(new, self.mem_len)  # older ones would be trimmed at once
-        if keep == 0:
-            self.start = self.end
-            return
-        self.reserve(keep)
-        e = self.end
-        for n, (k, v) in enumerate(zip(ks, vs, strict=True)):
-            self.k[n, :, :, e : e + keep] = k[:, :, new - keep :]
-            self.v[n, :, :, e : e + keep] = v[:, :, new - keep :]
-        self.valid[:, e : e + keep] = True
-        self.advance(keep)
-
 
 class _Decoder:
     """Shared by the cached and uncached decoders: reading the context."""
@@ -265,6 +252,7 @@ class _Decoder:
         return self.model.softmax.log_prob(hidden[:, -1])
 
     def _segments(self, width: int) -> list[tuple[int, int]]:
+        """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
         tgt = self.config.tgt_len
         first = width % tgt or tgt
         bounds = [(0, first)]
@@ -297,31 +285,41 @@ class UncachedDecoder(_Decoder):
 class CachedDecoder(_Decoder):
     """Incremental decoder: per-layer memory keys/values cached, position keys precomputed.
 
-    Reading the context goes through ``model.transform`` (the model's own code, which also
-    hands back each segment's projected keys and values); each later token runs the one-query
-    step below, which uses the layers' weights directly.
+    Every segment, the context's and each one-token step alike, runs ``_forward``: it projects
+    only the new positions, appends their keys/values to the cache and attends over the cached
+    window plus themselves. The mask is the model's (``attention_mask``: causal, same_length,
+    document starts); the position keys are sliced from a per-layer table, so no step
+    recomputes W_kR R. The layers' own weights and modules are used throughout.
     """
 
     def __init__(self, model: TransformerXL) -> None:
         super().__init__(model)
         c = self.config
-        self.mem_len = c.mem_len
-        self.tables = self._position_tables() if c.attn_type in ("xl", "shaw") else None
+        self.rel = c.attn_type in ("xl", "shaw")
+        self.tables: list[Tensor] = []
+        self.span = -1  # largest distance the tables cover
+        if self.rel:
+            self._build_tables(c.mem_len + c.tgt_len)
 
     @torch.no_grad()
-    def _position_tables(self) -> list[Tensor]:
-        """Per layer [H, T, Dh]: position keys for distances mem_len, ..., 1, 0 (column c holds
-        distance T-1-c, the order the model lays distances out in), clamped as the model does."""
+    def _build_tables(self, span: int) -> None:
+        """Per layer [H, span + 2, Dh]: position keys for distances span, ..., 1, 0, -1.
+
+        Column c holds distance span - c: the model's layout (positional.relative_distances),
+        so the last K + 1 columns are exactly what a segment with K keys needs, clamped as the
+        model clamps. Distance -1 only ever lands on masked pairs (see rel_shift).
+        """
         c = self.config
-        dist = torch.arange(c.mem_len, -1, -1, device=self.device, dtype=torch.float32)
+        dist = torch.arange(span, -2, -1, device=self.device, dtype=torch.float32)
         if c.attn_type == "xl":
             if c.clamp_len > 0:
                 dist = dist.clamp(max=c.clamp_len)
-            pos = sinusoid(dist, c.d_model).to(self.dtype)  # R [T, D]
+            pos = sinusoid(dist, c.d_model).to(self.dtype)  # R [span + 2, D]
         else:  # shaw: learned rows, clipped into the table like TransformerXL.transform
             limit = min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
             pos = dist.clamp(max=limit)
-        return [layer.attn.position_keys(pos).to(self.dtype) for layer in self.model.layers]
+        self.tables = [layer.attn.position_keys(pos).to(self.dtype) for layer in self.model.layers]
+        self.span = span
 
     def _begin(self, batch: int) -> None:
         c = self.config
@@ -329,73 +327,76 @@ class CachedDecoder(_Decoder):
             c.n_layer, batch, c.n_head, c.d_head, c.mem_len,
             slack=max(c.tgt_len, 256), device=self.device, dtype=self.dtype,
         )  # fmt: skip
-        self.mems: list[Tensor] | None = None  # hidden-state memory, only while reading
-        self.mem_mask: Tensor | None = None
+        self.masked = False  # True once some memory position may be invisible (padding)
 
     def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        extras: list[dict] = []
-        hidden, self.mems, self.mem_mask = self.model.transform(
-            ids, self.mems, reset, self.mem_mask, attn_kwargs={"return_kv": True}, extras=extras
-        )
-        self.cache.append([e["k"] for e in extras], [e["v"] for e in extras])
-        if self.mem_mask is not None:  # the model's verdict on what stays visible
-            self.cache.valid[:, self.cache.start : self.cache.end] = self.mem_mask
-        return hidden
-
-    def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
-        log_probs = super().prefill(prompts, start_id=start_id)
-        self.mems = None  # from here on the cache is the memory
-        return log_probs
+        return self._forward(ids, reset)
 
     @torch.no_grad()
     def step(self, ids: Tensor) -> Tensor:
-        c, model, cache = self.config, self.model, self.cache
-        ids = ids.view(-1, 1).to(self.device)  # [B, 1]
-        h = model.embed(ids)  # [B, 1, D]
-        if c.attn_type == "vaswani":  # absolute position 0 of a one-token segment
-            h = h + sinusoid(torch.zeros(1, device=self.device), c.d_model).to(h.dtype)
+        hidden = self._forward(ids.view(-1, 1).to(self.device), None)
+        return self.model.softmax.log_prob(hidden[:, -1])
 
-        cache.reserve(1)
+    @torch.no_grad()
+    def _forward(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+        """ids [B, L] -> last layer's hidden states [B, L, D]; the cache takes the L positions."""
+        c, model, cache = self.config, self.model, self.cache
+        qlen = ids.size(1)
+        h = model.embed(ids)  # [B, L, D]
+        if c.attn_type == "vaswani":  # absolute position within the segment
+            h = h + sinusoid(torch.arange(qlen, device=self.device), c.d_model).to(h.dtype)
+
+        cache.reserve(qlen)
         s, e = cache.start, cache.end
-        klen = e + 1 - s  # K = M + 1
-        cache.valid[:, e] = True
-        keep = cache.valid[:, s : e + 1]  # [B, K]
-        if c.same_length and klen > c.mem_len:  # the query sees only the mem_len newest keys
-            keep = keep.clone()
-            keep[:, : klen - c.mem_len] = False
-        blocked = ~keep[:, None, None, :]  # [B, 1, 1, K]
+        mlen = e - s
+        klen = mlen + qlen
+        self.masked = self.masked or reset is not None
+        mask, next_valid = attention_mask(
+            qlen, mlen, mem_len=c.mem_len, same_length=c.same_length, reset=reset,
+            mem_valid=cache.valid[:, s:e] if self.masked else None, device=self.device,
+        )  # fmt: skip  # mask [L, K] or [B, 1, L, K]
+        blocked = ~mask
+        if self.rel and klen - 1 > self.span:
+            self._build_tables(klen - 1)
         u_shared, v_shared = getattr(model, "u", None), getattr(model, "v", None)
-        tcols = c.mem_len + 1
+        abs_pos = torch.arange(qlen, device=self.device).clamp(max=c.n_positions - 1)
 
         for n, layer in enumerate(model.layers):
             attn = layer.attn
             if c.attn_type == "alrfou":
-                h = h + layer.pos_emb[0].to(h.dtype)
+                h = h + layer.pos_emb[abs_pos].to(h.dtype)
             x = attn.norm(h) if attn.pre_lnorm else h
             qkv = F.linear(x, attn.qkv.weight).chunk(3, dim=-1)  # rows: queries, keys, values
-            q, k_new, v_new = (attn._heads(t) for t in qkv)  # [B, H, 1, Dh] each
-            cache.k[n, :, :, e : e + 1] = k_new  # [B, H, 1, Dh]
-            cache.v[n, :, :, e : e + 1] = v_new
-            keys, values = cache.k[n, :, :, s : e + 1], cache.v[n, :, :, s : e + 1]  # [B,H,K,Dh]
+            q, k_new, v_new = (attn._heads(t) for t in qkv)  # [B, H, L, Dh] each
+            cache.k[n, :, :, e : e + qlen] = k_new
+            cache.v[n, :, :, e : e + qlen] = v_new
+            keys = cache.k[n, :, :, s : e + qlen]  # [B, H, K, Dh]: memory, then these L
+            values = cache.v[n, :, :, s : e + qlen]
 
             if c.attn_type == "xl":
                 u = attn.u if hasattr(attn, "u") else u_shared
                 v = attn.v if hasattr(attn, "v") else v_shared
-                scores = (q + u[:, None, :]) @ keys.transpose(-1, -2)  # [B, H, 1, K]
             else:
                 u = v = None
-                scores = q @ keys.transpose(-1, -2)
-            if self.tables is not None:
+            qc = q if u is None else q + u[:, None, :]
+            scores = qc @ keys.transpose(-1, -2)  # [B, H, L, K] content terms (a) + (c)
+            if self.rel:
+                rk = self.tables[n][:, -(klen + 1) :]  # [H, K + 1, Dh]: distances K-1 .. -1
                 qp = q if v is None else q + v[:, None, :]
-                rk = self.tables[n][:, tcols - klen :]  # [H, K, Dh]: distances K-1 .. 0
-                scores = scores + qp @ rk.transpose(-1, -2)
+                scores = scores + rel_shift(qp @ rk.transpose(-1, -2))  # (b) + (d)
             scores = (scores * attn.scale).masked_fill(blocked, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)
-            out = attn.out((probs @ values).transpose(1, 2).flatten(2))  # [B, 1, D]
+            probs = torch.softmax(
+                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
+            ).to(values.dtype)  # half precision normalised in float32, float64 kept
+            out = attn.out((probs @ values).transpose(1, 2).flatten(2))  # [B, L, D]
             h = h + out if attn.pre_lnorm else attn.norm(h + out)
             h = layer.ff(h)
-        cache.advance(1)
-        return model.softmax.log_prob(h[:, -1])
+
+        cache.valid[:, e : e + qlen] = True
+        cache.advance(qlen)
+        if next_valid is not None:  # the model's verdict on what stays visible
+            cache.valid[:, cache.start : cache.end] = next_valid
+        return h
 
 
 # -- the generation loop ----------------------------------------------------------------------
@@ -430,7 +431,10 @@ def stream(
         decoder: _Decoder = CachedDecoder(model) if use_cache else UncachedDecoder(model)
         if generator is None:
             generator = torch.Generator(device=decoder.device)
-            generator.manual_seed(seed if seed is not None else torch.seed())
+            if seed is None:
+                generator.seed()  # nondeterministic, and leaves the global RNG alone
+            else:
+                generator.manual_seed(seed)
         if max_new_tokens == 0:
             return
         log_probs = decoder.prefill(rows, start_id=start_id)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", metavar="TEXT", help='the context ("" starts from nothing)')
+    src.add_argument(
+        "--prompt", metavar="TEXT", action="append",
+        help='the context ("" starts from nothing); repeat for several prompts in one batch',
+    )  # fmt: skip
     src.add_argument("--prompt-file", metavar="F", type=Path, help="read the context from F")
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
     p.add_argument("--top-k", type=int, default=40, metavar="K", help="default 40 (paper)")
@@ -119,12 +123,12 @@ class _TextStream:
             self.written = len(text)
 
 
-def _read_prompt(args: argparse.Namespace) -> str:
+def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
-        return args.prompt
+        return list(args.prompt)
     path: Path = args.prompt_file
     try:
-        return path.read_text(encoding="utf-8")
+        return [path.read_text(encoding="utf-8")]
     except FileNotFoundError:
         raise ConfigError(f"prompt file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -146,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    text = _read_prompt(args)
+    texts = _read_prompts(args)
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -160,31 +164,37 @@ def run(args: argparse.Namespace) -> int:
         )
     model.set_lengths(tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len)
 
-    ids, n_unk = encode_prompt(vocab, text)
-    if n_unk:
-        sys.stderr.write(f"txlm: note: {n_unk} prompt symbol(s) not in the vocabulary -> <unk>\n")
-    if args.max_context and len(ids) > args.max_context:
-        sys.stderr.write(
-            f"txlm: note: prompt has {len(ids)} tokens; reading the last {args.max_context} "
-            "(--max-context 0 reads all)\n"
-        )
-        ids = ids[-args.max_context :]
+    prompts = []
+    for ids, n_unk in (encode_prompt(vocab, text) for text in texts):
+        if n_unk:
+            sys.stderr.write(
+                f"txlm: note: {n_unk} prompt symbol(s) not in the vocabulary -> <unk>\n"
+            )
+        if args.max_context and len(ids) > args.max_context:
+            sys.stderr.write(
+                f"txlm: note: prompt has {len(ids)} tokens; reading the last {args.max_context} "
+                "(--max-context 0 reads all)\n"
+            )
+            ids = ids[-args.max_context :]
+        prompts.append(ids)
     start = start_token(vocab)
-    if not ids and start is None:
+    if start is None and not all(prompts):
         raise ConfigError("empty prompt, and the vocabulary has no symbol to start from")
-    seed = args.seed if args.seed is not None else int(torch.seed() % (2**31))
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     if args.seed is None and not args.json:
         sys.stderr.write(f"txlm: seed {seed}\n")
 
-    live = args.num_samples == 1 and not args.json
-    streams = [_TextStream(vocab, ids, sys.stdout) for _ in range(args.num_samples)]
+    live = args.num_samples == 1 and len(prompts) == 1 and not args.json
+    # one stream per row, prompt-major like txlm.generate.stream
+    rows = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
+    streams = [_TextStream(vocab, prompts[i], sys.stdout) for i, _ in rows]
     if live:
-        sys.stdout.write(text)
+        sys.stdout.write(texts[0])
         sys.stdout.flush()
     began = time.perf_counter()
     n_new = 0
     steps = stream(
-        model, ids, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
+        model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
     )  # fmt: skip
     for t, tokens in enumerate(steps):
@@ -196,13 +206,13 @@ def run(args: argparse.Namespace) -> int:
             else:
                 s.ids.append(int(tid))
     elapsed = time.perf_counter() - began
-    rate = n_new * args.num_samples / elapsed if elapsed > 0 else 0.0
+    rate = n_new * len(rows) / elapsed if elapsed > 0 else 0.0
 
     if args.json:
         result = {
             "checkpoint": str(args.checkpoint),
             "seed": seed,
-            "prompt_tokens": len(ids),
+            "prompt_tokens": [len(p) for p in prompts],
             "new_tokens": n_new,
             "samples": [s.text() for s in streams],
             "sample_ids": [s.ids for s in streams],
@@ -215,8 +225,9 @@ def run(args: argparse.Namespace) -> int:
         streams[0].flush(final=True)
         sys.stdout.write("\n")
     else:
-        for i, s in enumerate(streams):
-            sys.stdout.write(f"=== sample {i + 1} (seed {seed}) ===\n{text}{s.text()}\n")
+        for (i, j), s in zip(rows, streams, strict=True):
+            which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
+            sys.stdout.write(f"=== {which} (seed {seed}) ===\n{texts[i]}{s.text()}\n")
     sys.stdout.flush()
-    sys.stderr.write(f"txlm: {n_new * args.num_samples} tokens in {elapsed:.2f}s ({rate:.1f}/s)\n")
+    sys.stderr.write(f"txlm: {n_new * len(rows)} tokens in {elapsed:.2f}s ({rate:.1f}/s)\n")
     return 0
