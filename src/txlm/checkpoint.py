@@ -14,6 +14,7 @@ old or the new checkpoint is complete on disk.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -114,6 +115,50 @@ def atomic_directory(target: Path, fill: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def estimate_checkpoint_bytes(model: torch.nn.Module, *, optimizer_moments: int = 2) -> int:
+    """Bytes a `last` checkpoint of ``model`` takes: weights plus Adam's two moments."""
+    params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
+    return sum(p.numel() * p.element_size() for p in params) * (1 + optimizer_moments)
+
+
+def ensure_writable(directory: str | Path, need_bytes: int = 0) -> Path:
+    """Fail early, in one clear line, when checkpoints cannot be written to ``directory``.
+
+    Creates the directory, writes and fsyncs a probe file (a read-only file system, missing
+    permissions, a file in the way), and checks that ``need_bytes`` are free. An atomic save
+    holds the old and the new checkpoint at once, so pass twice a checkpoint's size. On
+    failure a directory this call created is removed again: nothing on disk changes.
+    """
+    directory = Path(directory)
+    created = [p for p in [directory, *directory.parents] if not p.exists()]
+    try:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=directory, prefix=".txlm-write-probe.")
+            try:
+                os.write(fd, b"probe")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+                os.unlink(probe)
+        except OSError as exc:
+            raise CheckpointError(
+                f"cannot write checkpoints to {directory}: {exc.strerror or exc}"
+            ) from None
+        free = shutil.disk_usage(directory).free
+        if free < need_bytes:
+            raise CheckpointError(
+                f"{directory} has {free / 2**20:.1f} MiB free; checkpoints need about "
+                f"{need_bytes / 2**20:.1f} MiB (the old one is kept until the new is whole)"
+            )
+    except CheckpointError:
+        for p in created:  # deepest first
+            with contextlib.suppress(OSError):
+                p.rmdir()
+        raise
+    return directory
 
 
 def resolve(path: str | Path) -> Path:
