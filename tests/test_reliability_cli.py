@@ -912,3 +912,22 @@ def test_bad_input_real_subprocess(case_id: str, assets: Path, tmp_path: Path) -
 def test_table_size() -> None:
     """The issue asks for at least 25 cases across the subcommands."""
     assert len(CASES) >= 25
+
+
+def test_huge_single_line_corpus_is_handled(runner: Runner, tmp_path: Path) -> None:
+    """Not bad input: a 2 MB corpus with no newline at all prepares (split inside the line),
+    with bounded work, and only the dataset folder appears."""
+    work, io_dir = tmp_path / "work", tmp_path / "io"
+    work.mkdir()
+    (work / "data").mkdir()
+    rng = __import__("random").Random(0)
+    (work / "one.txt").write_text("".join(rng.choice("abcdefgh ") for _ in range(2_000_000)))
+    before = snapshot(work)
+    argv = ["prepare", "text:one.txt", "--json", "--no-progress"]
+    rc, out, err = runner.run(argv, work, io_dir, {"TXLM_DATA_DIR": str(work / "data")})
+    assert rc == 0, err
+    report = json.loads(out)
+    assert sum(report["tokens"].values()) == 2_000_000
+    assert all(n > 0 for n in report["tokens"].values())
+    new = set(snapshot(work)) - set(before)
+    assert all(p.startswith(str(work / "data" / "text-one")) for p in new), new

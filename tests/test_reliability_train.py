@@ -402,3 +402,19 @@ def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path: Path, monkeyp
     assert info.value.errno == errno.ENOSPC
     assert _check_checkpoints(work / "run") == 3
     assert not list((work / "run").glob(".*.tmp"))
+
+
+def test_divergence_through_the_cli(runner: Runner, tmp_path: Path) -> None:
+    """A real blow-up (lr 1e30 makes the loss NaN from step 2): warnings, then exit 2."""
+    work = _workdir(tmp_path, "work")
+    argv = [*TRAIN[:-2], "optim.lr=1e30", "optim.max_bad_steps=3", "--out", "run"]
+    proc = _Forked(runner, work, argv, tmp_path / "io")
+    rc, _, err = _finish(proc)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert lines[-1].startswith("txlm: error: training diverged"), lines[-1]
+    assert sum("RuntimeWarning" in line for line in lines) == 3  # one per skipped step
+    # `last` (finite weights: checked) is from step 1, the last one that changed the weights,
+    # or from a later skipped step that left them as they were.
+    assert _check_checkpoints(work / "run") in (1, 2, 3)
