@@ -537,7 +537,7 @@ def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypat
         [
             f"data.dataset=text:{tmp_path / 'corpus.txt'}",
             f"data.data_dir={tmp_path / 'data'}",
-            "optim.max_steps=3",
+            "optim.max_steps=1",
             "eval.eval_interval=0",
             "eval.final_eval=false",
             "run.tensorboard=false",
