@@ -552,3 +552,19 @@ def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypat
     with pytest.raises(CheckpointError, match="free"):
         trainer.fit()
     assert steps == []
+
+
+@pytest.mark.parametrize("kind", ["pickle", "os_system", "torch_zip"])
+def test_the_crafted_payloads_are_live(tmp_path: Path, kind: str) -> None:
+    """Loaded unsafely, each payload does create its file: the refusals above are meaningful."""
+    import io
+    import pickle
+
+    marker = tmp_path / "pwned"
+    if kind == "pickle":
+        pickle.loads(evil_pickle(marker))
+    elif kind == "os_system":
+        pickle.loads(evil_os_system_pickle(marker))
+    else:
+        torch.load(io.BytesIO(evil_torch_zip(marker)), weights_only=False)
+    assert marker.exists()

@@ -857,13 +857,14 @@ def _prepare_workdir(case: Case, assets: Path, tmp_path: Path) -> tuple[Path, Pa
 
 def check_result(case: Case, rc: int, out: str, err: str, before: dict, after: dict, work: Path):
     lines = err.splitlines()
+    # First, so that no other failure (or a known-defect xfail) can hide executed code.
+    assert not (work / MARKER).exists(), f"{case.id}: a crafted pickle ran code"
     assert "Traceback" not in err, f"{case.id}: traceback\n{err}"
     assert rc == 2, f"{case.id}: exit {rc}, expected 2\nstderr: {err}\nstdout: {out}"
     assert len(lines) == 1, f"{case.id}: stderr must be one line, got {len(lines)}:\n{err}"
     assert lines[0].startswith("txlm: error: "), lines[0]
     assert case.needle.lower() in lines[0].lower(), f"{case.id}: {case.needle!r} not in {err!r}"
     assert after == before, f"{case.id}: files changed: {set(after) ^ set(before)}"
-    assert not (work / MARKER).exists(), f"{case.id}: a crafted pickle ran code"
 
 
 @pytest.mark.parametrize(
