@@ -39,13 +39,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help='the context ("" starts from nothing); repeat for several prompts in one batch',
     )  # fmt: skip
     src.add_argument("--prompt-file", metavar="F", type=Path, help="read the context from F")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="default 200")
     p.add_argument("--top-k", type=int, default=40, metavar="K", help="default 40 (paper)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus, in (0, 1]")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="> 0, default 1")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="same seed, same text")
-    p.add_argument("--num-samples", type=int, default=1, metavar="K")
+    p.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt")
     p.add_argument(
         "--max-context",
         type=int,
@@ -155,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
     except RuntimeError as exc:
         raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no GPU is available")
 
     model = load(args.checkpoint, device=device)
     vocab = checkpoint_vocab(args.checkpoint)

@@ -192,7 +192,7 @@ class TransformerXL(nn.Module):
         pos: Tensor | None = None
         if c.attn_type == "xl":
             dist = relative_distances(klen, c.clamp_len, device)
-            pos = self.drop(sinusoid(dist, c.d_model))  # R [K+1, D]
+            pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
         elif c.attn_type == "shaw":
             pos = relative_distances(
                 klen,
