@@ -1,7 +1,8 @@
 """``txlm eval CKPT``: stream a split through a checkpoint with memory, report the metric.
 
-The split is cut into --batch-size contiguous rows (default 1: one stream, memory empty only
-at its very start); each row carries its memory across segments. --mem-len may exceed the
+The split is cut into --batch-size contiguous rows (1: one stream, memory empty only at its
+very start; default: the batch size the run evaluated with, so the numbers agree with the
+run's); each row carries its memory across segments. --mem-len may exceed the
 training memory: the relative encoding has no absolute positions to run out of.
 """
 
@@ -31,7 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--same-length", action=argparse.BooleanOptionalAction, default=None,
         help="every query sees the same number of keys (default: preset's eval)",
     )  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=1, help="contiguous rows (default 1)")
+    p.add_argument(
+        "--batch-size", type=int, default=None,
+        help="contiguous rows, each with memory empty at its start "
+        "(default: the run's eval.batch_size, else 1)",
+    )  # fmt: skip
     p.add_argument("--max-steps", type=int, default=None, help="stop after N segments")
     p.add_argument("--dataset", default=None, help="dataset name (default: the training one)")
     p.add_argument(
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     result = evaluate_tokens(
         model,
         corpus.split(args.split),
-        batch_size=args.batch_size,
+        batch_size=pick(args.batch_size, "batch_size") or 1,
         tgt_len=pick(args.tgt_len, "eval_tgt_len"),
         mem_len=pick(args.mem_len, "eval_mem_len"),
         clamp_len=pick(args.clamp_len, "eval_clamp_len"),
