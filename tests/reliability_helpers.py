@@ -149,9 +149,10 @@ class Runner:
         return self.wait()
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()  # the server's loop ends at EOF
         self.proc.wait(timeout=30)
+        self.proc.stdout.close()
 
 
 def subprocess_env() -> dict[str, str]:
