@@ -223,12 +223,11 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     return data
 
 
-def _check_shapes(weights: Path, model: TransformerXL) -> None:
-    """Compare the weights file's header with the still unallocated (meta) model.
+def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
+    """Tensor shapes from the weights file's header (no tensor data is read).
 
-    config.json decides how much memory ``to_empty`` allocates; a config that claims a huge
-    vocabulary or width next to a small weights file must be refused here, from the header
-    alone, not by exhausting memory. Missing/unexpected tensors are reported after loading.
+    Also checks the layer count against config.json before any model is built: a config
+    claiming a million layers must not cost a million module constructions to refuse.
     """
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -237,6 +236,21 @@ def _check_shapes(weights: Path, model: TransformerXL) -> None:
         raise CheckpointError(
             f"{weights} is not a readable safetensors file: {str(exc).splitlines()[0]}"
         ) from None
+    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
+    if len(layers) != config.n_layer:
+        raise CheckpointError(
+            f"{weights} holds {len(layers)} layers; its config.json says n_layer={config.n_layer}"
+        )
+    return shapes
+
+
+def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: TransformerXL) -> None:
+    """Compare the header's shapes with the model (on the meta device: still unallocated).
+
+    config.json decides how much memory ``to_empty`` allocates; a config that claims a huge
+    vocabulary or width next to a small weights file must be refused here, from the header
+    alone, not by exhausting memory. Missing/unexpected tensors are reported after loading.
+    """
     wanted = model.state_dict()
     for key, shape in sorted(shapes.items()):
         if key in wanted and list(wanted[key].shape) != shape:
@@ -267,6 +281,7 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
+    shapes = _header_shapes(weights, config)
     if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
         # A small model is cheaper to build for real (milliseconds of random init) than on
         # the meta device, whose first use imports torch's Python reference kernels (~2 s of
@@ -274,12 +289,12 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
             model = TransformerXL(config)
-        _check_shapes(weights, model)
+        _check_shapes(weights, shapes, model)
         model = model.to(device)
     else:
         with torch.device("meta"):
             model = TransformerXL(config)
-        _check_shapes(weights, model)  # before allocating what config.json claims
+        _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
         model.tie_weights()
     try:
