@@ -484,6 +484,7 @@ def test_crash_at_every_step_of_two_swaps(tmp_path: Path, start: str) -> None:
         assert sorted(p.name for p in case.iterdir()) == ["last"], list(case.iterdir())
         k1 += 1
     assert k1 > 4 and cases > 10  # the swap has several steps; all were interrupted
+    print(f"{start}: {k1 - 1} first-save crash points x second-save crash points = {cases}")
 
 
 # -- writability checked before work starts --------------------------------------------------

@@ -948,3 +948,18 @@ def test_huge_single_line_corpus_is_handled(runner: Runner, tmp_path: Path) -> N
     assert all(n > 0 for n in report["tokens"].values())
     new = set(snapshot(work)) - set(before)
     assert all(p.startswith(str(work / "data" / "text-one")) for p in new), new
+
+
+PICKLE_CASES = [c for c in CASES if c.pickle]
+
+
+@pytest.mark.parametrize("case", PICKLE_CASES, ids=[c.id for c in PICKLE_CASES])
+def test_crafted_pickle_never_runs(case: Case, assets: Path, runner: Runner, tmp_path) -> None:
+    """Only the one property, with no xfail: even where a case above fails for a known
+    defect (a traceback), the crafted file was not executed."""
+    if case.command not in AVAILABLE:
+        pytest.skip(f"`txlm {case.command}` is not on this branch yet")
+    work, io_dir = _prepare_workdir(case, assets, tmp_path)
+    rc, _, err = runner.run(case.argv, work, io_dir, {"TXLM_DATA_DIR": str(work / "data")})
+    assert rc != 0, err
+    assert not (work / MARKER).exists(), f"{case.id}: a crafted pickle ran code"
