@@ -371,7 +371,7 @@ PRESETS: dict[str, Preset] = {
         "paper's 257M does not follow from its own configuration",
     ),
     "lm1b-base": Preset(
-        source="paper Table 4 (0.46B); original run_lm1b_base.sh (untied softmax)",
+        source="paper Table 4 (0.46B); original run_lm1b_base.sh",
         model=dict(
             vocab_size=_LM1B_VOCAB,
             n_layer=18,
@@ -379,8 +379,8 @@ PRESETS: dict[str, Preset] = {
             n_head=8,
             d_head=128,
             d_inner=4096,
-            tgt_len=256,
-            mem_len=256,
+            tgt_len=32,
+            mem_len=32,
             dropout=0.0,
             dropatt=0.0,
             cutoffs=[60000, 100000, 640000],
@@ -391,6 +391,8 @@ PRESETS: dict[str, Preset] = {
         eval=dict(tgt_len=32, mem_len=128, clamp_len=-1, same_length=True),
         paper_params=0.46e9,
         dataset="lm1b",
+        note="input and output embeddings untied: tied, this shape counts 0.36B, not the "
+        "paper's 0.46B",
     ),
     "lm1b-large": Preset(
         source="paper Table 4 (0.8B); original run_lm1b_large.sh",
@@ -412,6 +414,7 @@ PRESETS: dict[str, Preset] = {
         eval=dict(tgt_len=32, mem_len=128, clamp_len=-1, same_length=True),
         paper_params=0.8e9,
         dataset="lm1b",
+        note="counts 0.84B, which the paper gives to one significant figure",
     ),
     "ptb": Preset(
         source="paper Table 5 (24M); the shape is not in the paper's text",

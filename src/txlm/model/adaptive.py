@@ -22,6 +22,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+def _upcast(x: Tensor) -> Tensor:
+    """Half-precision logits are normalised in float32; float32/float64 stay as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
 def _cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[tuple[int, int]]:
     ends = [0, *cutoffs, vocab_size]
     return list(itertools.pairwise(ends))
@@ -116,11 +121,11 @@ class AdaptiveLogSoftmax(nn.Module):
         if self.n_clusters:
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)
-        return F.log_softmax(self._logits(hidden, weight, bias, proj).float(), dim=-1)
+        return F.log_softmax(_upcast(self._logits(hidden, weight, bias, proj)), dim=-1)
 
     # -- public -------------------------------------------------------------------------
     def log_prob(self, hidden: Tensor) -> Tensor:
-        """hidden [N, P] -> log-probabilities [N, V] (float32)."""
+        """hidden [N, P] -> log-probabilities [N, V] (float32 at least)."""
         head = self._head_log_probs(hidden)
         if not self.n_clusters:
             return head
@@ -128,7 +133,7 @@ class AdaptiveLogSoftmax(nn.Module):
         out[:, : self.shortlist] = head[:, : self.shortlist]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
-            tail = F.log_softmax(self._logits(hidden, *self._weights(i)).float(), dim=-1)
+            tail = F.log_softmax(_upcast(self._logits(hidden, *self._weights(i))), dim=-1)
             out[:, lo:hi] = head[:, -i, None] + tail
         return out
 
@@ -151,7 +156,7 @@ class AdaptiveLogSoftmax(nn.Module):
             # Runs on empty selections too, so every parameter is used each step (DDP).
             idx = ((cluster == i) & ~ignore).nonzero().squeeze(1)
             logits = self._logits(hidden.index_select(0, idx), *self._weights(i))
-            tail = F.log_softmax(logits.float(), dim=-1)
+            tail = F.log_softmax(_upcast(logits), dim=-1)
             picked = tail.gather(1, (target.index_select(0, idx) - lo)[:, None]).squeeze(1)
             nll = nll.index_add(0, idx, -picked)
         return nll.masked_fill(ignore, 0.0)

@@ -165,7 +165,10 @@ class RelativeAttention(nn.Module):
             content, position = self.score_terms(q, k, rk, u, v)
             scores = content if position is None else content + position
             scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores.float(), dim=-1).to(val.dtype)
+            probs = torch.softmax(
+                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
+            )
+            probs = probs.to(val.dtype)
             if return_probs:
                 extras["probs"] = probs
             probs = F.dropout(probs, self.dropatt, self.training)
