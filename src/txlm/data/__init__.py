@@ -1,0 +1,19 @@
+"""The data pipeline: vocabularies, prepared corpora on disk, and stream iterators.
+
+The names below are the public API the training and evaluation code builds on.
+"""
+
+from txlm.data.prepare import PreparedCorpus, default_data_dir, load_prepared, prepare_dataset
+from txlm.data.streams import Batch, SentenceStreamIterator, StreamIterator
+from txlm.data.vocab import Vocab
+
+__all__ = [
+    "Batch",
+    "PreparedCorpus",
+    "SentenceStreamIterator",
+    "StreamIterator",
+    "Vocab",
+    "default_data_dir",
+    "load_prepared",
+    "prepare_dataset",
+]

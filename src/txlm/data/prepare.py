@@ -1,0 +1,411 @@
+"""``prepare``: turn a dataset into flat token-id files, and load them back.
+
+Layout of a prepared dataset ``DATA_DIR/NAME/``::
+
+    train.bin valid.bin test.bin   token ids, raw little-endian, the smallest unsigned dtype
+    vocab.json                     the vocabulary (see vocab.py)
+    meta.json                      sources and their sha256, sizes, document offsets,
+                                   tokenizer and split settings, the metric (bpc or ppl)
+    SPLIT.docs.bin                 int64 document offsets, only when there are too many
+                                   to list in meta.json (lm1b: one per sentence)
+
+``NAME`` is the dataset name, with ``-LEVEL`` appended when a non-default level is asked for
+(``shakespeare-word``), and ``text-STEM`` for ``text:PATH``. Downloads are kept in
+``DATA_DIR/downloads/``.
+
+A dataset is built in a temporary folder next to its final place and renamed into place only
+when complete, so an error or an interrupt never damages an earlier prepared copy. A second
+call whose inputs (source hashes, level, vocabulary options, format version) are unchanged
+returns the existing copy without work; ``force=True`` rebuilds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from txlm.data import corpora
+from txlm.data.corpora import SPECS, SPLITS, RawCorpus
+from txlm.data.download import fetch, load_record, mirror_url, sha256_file, sha256_overrides
+from txlm.data.vocab import Vocab, write_text_atomic
+from txlm.errors import DataError
+
+FORMAT = "txlm-prepared"
+FORMAT_VERSION = 1
+INLINE_DOC_STARTS = 1 << 16  # more document offsets than this go to SPLIT.docs.bin
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("TXLM_DATA_DIR") or "data")
+
+
+# --- loading -----------------------------------------------------------------------------
+
+
+@dataclass
+class PreparedCorpus:
+    """A prepared dataset on disk; token arrays are read-only memmaps, never loaded whole."""
+
+    path: Path
+    vocab: Vocab
+    meta: dict
+
+    @property
+    def level(self) -> str:
+        return str(self.meta["level"])
+
+    @property
+    def metric(self) -> str:
+        return str(self.meta["metric"])
+
+    def _split_meta(self, name: str) -> dict:
+        splits = self.meta["splits"]
+        if name not in splits:
+            raise DataError(f"{self.path} has no split {name!r} (it has {', '.join(splits)})")
+        return splits[name]
+
+    def split(self, name: str) -> np.ndarray:
+        info = self._split_meta(name)
+        file = self.path / info["file"]
+        dtype = np.dtype(self.meta["dtype"])
+        expected = int(info["tokens"]) * dtype.itemsize
+        if not file.is_file() or file.stat().st_size != expected:
+            raise DataError(f"{file} is missing or truncated; run txlm prepare --force")
+        return np.memmap(file, dtype=dtype, mode="r", shape=(int(info["tokens"]),))
+
+    def doc_starts(self, name: str) -> np.ndarray:
+        info = self._split_meta(name)
+        if "doc_starts" in info:
+            out = np.asarray(info["doc_starts"], dtype=np.int64)
+        else:
+            file = self.path / info["doc_starts_file"]
+            if not file.is_file():
+                raise DataError(f"{file} is missing; run txlm prepare --force")
+            out = np.fromfile(file, dtype="<i8")
+        out.flags.writeable = False
+        return out
+
+
+def load_prepared(path: str | Path) -> PreparedCorpus:
+    p = Path(path)
+    meta_file = p / "meta.json"
+    if not meta_file.is_file():
+        raise DataError(f"{p} is not a prepared dataset (no meta.json); run txlm prepare first")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        raise DataError(f"{meta_file} is not valid JSON; run txlm prepare --force") from None
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise DataError(f"{p} was prepared by another format version; run txlm prepare --force")
+    vocab = Vocab.load(p / "vocab.json")
+    if vocab.fingerprint != meta.get("vocab_fingerprint") or len(vocab) != meta.get("vocab_size"):
+        raise DataError(
+            f"{p / 'vocab.json'} does not match the prepared data (vocabulary fingerprint "
+            f"{vocab.fingerprint}, size {len(vocab)}; meta.json says "
+            f"{meta.get('vocab_fingerprint')}, size {meta.get('vocab_size')})"
+        )
+    if vocab.dtype != np.dtype(meta.get("dtype")):
+        raise DataError(f"{p}: token dtype {meta.get('dtype')} does not fit the vocabulary")
+    return PreparedCorpus(p, vocab, meta)
+
+
+# --- preparing ---------------------------------------------------------------------------
+
+
+def _parse_name(name: str) -> tuple[str, Path | None]:
+    if name.startswith("text:"):
+        raw = name[len("text:") :]
+        if not raw:
+            raise DataError("text: needs a path, as in text:notes.txt or text:my_folder")
+        return "text", Path(raw).expanduser()
+    if name not in SPECS or name == "text":
+        known = ", ".join(n for n in SPECS if n != "text")
+        raise DataError(f"unknown dataset {name!r}; choose one of {known}, or text:PATH")
+    return name, None
+
+
+def _out_name(kind: str, level: str, user_path: Path | None) -> str:
+    base = kind
+    if user_path is not None:
+        stem = user_path.resolve().name
+        stem = re.sub(r"\.txt$", "", stem)
+        base = "text-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "corpus")
+    return base if level == SPECS[kind].default_level else f"{base}-{level}"
+
+
+def _hash_files(files: list[Path]) -> list[dict]:
+    out = []
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"file not found: {f}")
+        out.append({"name": f.name, "sha256": sha256_file(f), "bytes": f.stat().st_size})
+    return out
+
+
+def _input_key(kind: str, level: str, options: dict, sources: list[dict]) -> str:
+    payload = json.dumps(
+        {
+            "format": FORMAT_VERSION,
+            "dataset": kind,
+            "level": level,
+            "options": options,
+            "sources": [(s["name"], s["sha256"]) for s in sources],
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _is_current(out: Path, key: str) -> bool:
+    try:
+        meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    if meta.get("input_key") != key or not (out / "vocab.json").is_file():
+        return False
+    dtype = np.dtype(meta["dtype"])
+    for info in meta["splits"].values():
+        f = out / info["file"]
+        if not f.is_file() or f.stat().st_size != info["tokens"] * dtype.itemsize:
+            return False
+    return True
+
+
+def prepare_dataset(
+    name: str,
+    data_dir: str | Path,
+    *,
+    level: str | None = None,
+    force: bool = False,
+    mirror: str | None = None,
+    progress: bool = True,
+    min_freq: int = 1,
+    max_size: int | None = None,
+) -> Path:
+    """Prepare ``name`` under ``data_dir`` (reusing an up-to-date copy) and return its folder.
+
+    ``mirror`` (default: ``$TXLM_MIRROR``) replaces the base URL of every download;
+    ``min_freq``/``max_size`` shape word vocabularies built from train (not lm1b's own).
+    """
+    kind, user_path = _parse_name(name)
+    spec = SPECS[kind]
+    level = level or spec.default_level
+    if level not in spec.levels:
+        raise DataError(f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}")
+    if min_freq < 1 or (max_size is not None and max_size < 3):
+        raise DataError("min_freq must be >= 1 and max_size >= 3")
+    mirror = mirror or os.environ.get("TXLM_MIRROR") or None
+    data_dir = Path(data_dir)
+    out = data_dir / _out_name(kind, level, user_path)
+    options = {"min_freq": min_freq, "max_size": max_size} if level == "word" else {}
+
+    # 1. The inputs and their hashes: cheap for local text, recorded for downloads.
+    local_files: list[Path] = []
+    if kind == "shakespeare":
+        local_files = [f for s in SPLITS for f in corpora.shakespeare_files()[s]]
+    elif kind == "text":
+        assert user_path is not None
+        if not user_path.exists():
+            raise DataError(f"no such file or folder: {user_path}")
+        local_files = (
+            sorted(p for p in user_path.rglob("*.txt") if p.is_file())
+            if user_path.is_dir()
+            else [user_path]
+        )
+        if not local_files:
+            raise DataError(f"folder {user_path} has no .txt files")
+    downloads = data_dir / "downloads"
+    if local_files:
+        sources = _hash_files(local_files)
+    else:
+        record, overrides = load_record(downloads), sha256_overrides()
+        sources = []
+        for rf in spec.remote:
+            sha = overrides.get(rf.name) or rf.sha256 or record.get(rf.name, {}).get("sha256")
+            sources.append({"name": rf.name, "url": rf.url, "sha256": sha})
+    if all(s["sha256"] for s in sources) and not force:
+        key = _input_key(kind, level, options, sources)
+        if _is_current(out, key):
+            return out
+
+    # 2. Fetch what is remote (verified), then build in a temporary folder.
+    paths: dict[str, Path] = {}
+    for rf, src in zip(spec.remote, sources if spec.remote else [], strict=True):
+        url = mirror_url(rf.url, mirror)
+        paths[rf.name], src["sha256"] = fetch(
+            url, downloads, known_sha256=rf.sha256, progress=progress
+        )
+        src["url"] = url
+        src["bytes"] = paths[rf.name].stat().st_size
+    key = _input_key(kind, level, options, sources)
+    if not force and _is_current(out, key):
+        return out
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+    try:
+        work = tmp / "raw"
+        work.mkdir()
+        raw = _read(kind, user_path, paths, work)
+        vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
+        splits_meta = {}
+        for split in SPLITS:
+            splits_meta[split] = _encode_split(raw, split, vocab, tmp)
+        vocab.save(tmp / "vocab.json")
+        meta = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "dataset": kind,
+            "name": out.name,
+            "level": level,
+            "metric": "ppl" if level == "word" else "bpc",
+            "dtype": vocab.dtype.name,
+            "vocab_size": len(vocab),
+            "vocab_fingerprint": vocab.fingerprint,
+            "input_key": key,
+            "sources": sources,
+            "source_bytes": sum(int(s["bytes"]) for s in sources),
+            "tokenizer": _tokenizer_settings(level, vocab, options),
+            "corpus": raw.settings,
+            "splits": splits_meta,
+        }
+        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        shutil.rmtree(work)
+        _swap_into_place(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Two renames; the old copy is deleted only once the new one is in place."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
+
+
+def _read(kind: str, user_path: Path | None, paths: dict[str, Path], work: Path) -> RawCorpus:
+    if kind == "shakespeare":
+        return corpora.read_shakespeare()
+    if kind == "text":
+        assert user_path is not None
+        return corpora.read_user_text(user_path)[0]
+    if kind in ("wt2", "wt103"):
+        top = "wikitext-2" if kind == "wt2" else "wikitext-103"
+        return corpora.read_wikitext(paths[f"{top}-v1.zip"], work, top)
+    if kind == "ptb":
+        return corpora.read_ptb(paths["simple-examples.tgz"], work)
+    if kind == "enwik8":
+        return corpora.read_enwik8(paths["enwik8.zip"], work)
+    if kind == "text8":
+        return corpora.read_text8(paths["text8.zip"], work)
+    if kind == "lm1b":
+        archive, vocab_file = (paths[rf.name] for rf in SPECS["lm1b"].remote)
+        return corpora.read_lm1b(archive, vocab_file, work)
+    raise DataError(f"no reader for {kind}")  # pragma: no cover - SPECS and _read agree
+
+
+def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | None) -> Vocab:
+    if level == "byte":
+        return Vocab.byte_level()
+    if raw.vocab_file is not None:
+        return read_lm1b_vocab(raw.vocab_file)
+    train = raw.splits["train"]
+    if level == "char":
+        counts: Counter[str] = Counter()
+        for text, _ in train.pieces():
+            assert isinstance(text, str)
+            cps, n = np.unique(
+                np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), return_counts=True
+            )
+            counts.update({chr(int(c)): int(k) for c, k in zip(cps, n, strict=True)})
+        if not counts:
+            raise DataError("the train split is empty")
+        # Valid/test characters never seen in train map to <unk> (Shakespeare has a few).
+        return Vocab.build_char(counts, unk=True)
+    words: Counter[str] = Counter()
+    for text, _ in train.pieces():
+        assert isinstance(text, str)
+        words.update(text.split())
+    if not words:
+        raise DataError("the train split has no words")
+    return Vocab.build_word(words, min_freq=min_freq, max_size=max_size)
+
+
+def read_lm1b_vocab(path: Path) -> Vocab:
+    """``1b_word_vocab.txt``: one ``word [count]`` per line, in id order."""
+    text = corpora.read_text(path)
+    symbols = [line.split()[0] for line in text.splitlines() if line.strip()]
+    if len(set(symbols)) != len(symbols):
+        raise DataError(f"{path} lists a word twice; not the lm1b vocabulary file")
+    for needed in ("<S>", "</S>", "<UNK>"):
+        if needed not in symbols:
+            raise DataError(f"{path} lacks {needed}; not the lm1b vocabulary file")
+    return Vocab(symbols, "word", unk="<UNK>", eos="</S>", bos="<S>")
+
+
+def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
+    settings: dict = {"level": level, "newlines": "\\r\\n read as \\n; a leading BOM dropped"}
+    if level == "char":
+        settings["unknown"] = "characters not in train map to <unk>"
+    if level == "word":
+        settings.update(
+            split="whitespace",
+            eos=f"{vocab.eos} ends every line" if vocab.eos else None,
+            bos=f"{vocab.bos} opens every line" if vocab.bos else None,
+            unk=vocab.unk,
+            **options,
+        )
+    return settings
+
+
+def _encode_split(raw: RawCorpus, split: str, vocab: Vocab, folder: Path) -> dict:
+    source = raw.splits[split]
+    starts: list[int] = []
+    n = 0
+    file = folder / f"{split}.bin"
+    with open(file, "wb") as f:
+        for text, new_doc in source.pieces():
+            if vocab.level == "word":
+                assert isinstance(text, str)
+                ids_list, line_starts = vocab.encode_lines(text)
+                ids = np.asarray(ids_list, dtype=vocab.dtype)
+                if source.line_docs:
+                    starts.extend(n + s for s in line_starts)
+            else:
+                ids = vocab.encode_array(text).astype(vocab.dtype)
+            if new_doc and not source.line_docs:
+                starts.append(n)
+            f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
+            n += len(ids)
+    if n == 0:
+        raise DataError(f"the {split} split is empty after tokenisation")
+    doc = np.unique(np.asarray([0, *starts], dtype=np.int64))
+    doc = doc[doc < n]
+    info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
+    info["documents"] = len(doc)
+    if len(doc) <= INLINE_DOC_STARTS:
+        info["doc_starts"] = doc.tolist()
+    else:
+        doc.astype("<i8").tofile(folder / f"{split}.docs.bin")
+        info["doc_starts_file"] = f"{split}.docs.bin"
+    return info

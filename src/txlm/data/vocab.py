@@ -1,0 +1,293 @@
+"""Vocabularies: the map between text and token ids, stored as JSON (never a pickle).
+
+Three levels:
+
+* ``char``: one symbol per Unicode code point. Encoding is vectorised through a lookup table
+  over code points, so preparing 100 MB of text takes seconds, not minutes.
+* ``byte``: the 256 byte values (enwik8). Every byte sequence round-trips exactly.
+* ``word``: whitespace-separated tokens; each line ends with the end-of-line symbol
+  (``<eos>``), so ``decode(encode(text)) == text`` whenever the text is already in the
+  normalised form "tokens joined by single spaces, every line ending in a newline".
+
+Symbols unseen when the vocabulary was built map to ``<unk>`` when the vocabulary has one
+(word level and the char level used for Shakespeare, whose valid/test works contain a few
+characters that never occur in train); without ``<unk>`` an unknown symbol is an error.
+
+The fingerprint is a hash of the level and the ordered symbol list. It is written into
+``meta.json`` and into checkpoints, so a model is never paired with a vocabulary whose ids
+mean something else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from txlm.errors import DataError
+
+LEVELS = ("char", "byte", "word")
+FORMAT = "txlm-vocab"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Vocab:
+    """An ordered symbol list; a symbol's id is its position."""
+
+    symbols: list[str]
+    level: str
+    unk: str | None = None
+    eos: str | None = None
+    bos: str | None = None
+    _index: dict[str, int] = field(init=False, repr=False)
+    _lut: np.ndarray | None = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.level not in LEVELS:
+            raise DataError(f"unknown vocabulary level {self.level!r}; expected one of {LEVELS}")
+        self._index = {s: i for i, s in enumerate(self.symbols)}
+        if len(self._index) != len(self.symbols):
+            raise DataError("vocabulary has duplicate symbols")
+        for name, sym in (("unk", self.unk), ("eos", self.eos), ("bos", self.bos)):
+            if sym is not None and sym not in self._index:
+                raise DataError(f"vocabulary {name} symbol {sym!r} is not in its symbol list")
+        if self.level == "byte" and len(self.symbols) != 256:
+            raise DataError("a byte vocabulary has exactly 256 symbols")
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def byte_level(cls) -> Vocab:
+        """The fixed 256-symbol byte vocabulary; symbol i is the decimal string of byte i."""
+        return cls([str(i) for i in range(256)], "byte")
+
+    @classmethod
+    def build_char(cls, counts: Counter[str] | dict[str, int], *, unk: bool = True) -> Vocab:
+        """Characters sorted by code point (stable across runs), ``<unk>`` last if asked.
+
+        ``<unk>`` is a multi-character symbol so it can never collide with a real character.
+        """
+        symbols = sorted(counts)
+        return cls([*symbols, "<unk>"] if unk else symbols, "char", unk="<unk>" if unk else None)
+
+    @classmethod
+    def build_word(
+        cls,
+        counts: Counter[str],
+        *,
+        min_freq: int = 1,
+        max_size: int | None = None,
+        specials: Sequence[str] = ("<unk>", "<eos>"),
+        unk: str | None = "<unk>",
+        eos: str | None = "<eos>",
+    ) -> Vocab:
+        """Specials first, then words by decreasing count (ties by the word, for stability)."""
+        ranked = sorted(
+            (w for w, c in counts.items() if c >= min_freq and w not in specials),
+            key=lambda w: (-counts[w], w),
+        )
+        if max_size is not None:
+            ranked = ranked[: max(0, max_size - len(specials))]
+        return cls([*specials, *ranked], "word", unk=unk, eos=eos)
+
+    # -- properties -----------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.symbols)
+
+    @property
+    def unk_id(self) -> int | None:
+        return None if self.unk is None else self._index[self.unk]
+
+    @property
+    def eos_id(self) -> int | None:
+        return None if self.eos is None else self._index[self.eos]
+
+    @property
+    def bos_id(self) -> int | None:
+        return None if self.bos is None else self._index[self.bos]
+
+    @property
+    def fingerprint(self) -> str:
+        payload = json.dumps({"level": self.level, "symbols": self.symbols}, ensure_ascii=True)
+        return hashlib.sha256(payload.encode("ascii")).hexdigest()[:16]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The smallest unsigned integer type that holds every id."""
+        n = len(self.symbols)
+        if n <= 1 << 8:
+            return np.dtype(np.uint8)
+        if n <= 1 << 16:
+            return np.dtype(np.uint16)
+        return np.dtype(np.uint32)
+
+    def id_of(self, symbol: str) -> int:
+        try:
+            return self._index[symbol]
+        except KeyError:
+            raise DataError(f"symbol {symbol!r} is not in the vocabulary") from None
+
+    def __contains__(self, symbol: object) -> bool:
+        return symbol in self._index
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return self.encode_array(text).tolist()
+
+    def encode_array(self, text: str | bytes, *, add_eos: bool = True) -> np.ndarray:
+        """Encode to an int64 array. ``add_eos`` (word level) ends every line with ``eos``."""
+        if self.level == "byte":
+            data = text.encode("utf-8") if isinstance(text, str) else text
+            return np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        if self.level == "char":
+            return self._encode_chars(text)
+        return np.asarray(self._encode_words(text, add_eos=add_eos), dtype=np.int64)
+
+    def _char_lut(self) -> np.ndarray:
+        # A dense table over code points: one gather per character, no Python loop.
+        if self._lut is None:
+            single = [(ord(s), i) for i, s in enumerate(self.symbols) if len(s) == 1]
+            top = max((cp for cp, _ in single), default=0)
+            lut = np.full(top + 1, -1, dtype=np.int64)
+            for cp, i in single:
+                lut[cp] = i
+            self._lut = lut
+        return self._lut
+
+    def _encode_chars(self, text: str) -> np.ndarray:
+        cps = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32).astype(np.int64)
+        lut = self._char_lut()
+        ids = np.full(cps.shape, -1, dtype=np.int64)
+        inside = cps < len(lut)
+        ids[inside] = lut[cps[inside]]
+        missing = ids < 0
+        if missing.any():
+            if self.unk is None:
+                bad = chr(int(cps[np.argmax(missing)]))
+                raise DataError(f"character {bad!r} is not in the vocabulary (no <unk>)")
+            ids[missing] = self._index[self.unk]
+        return ids
+
+    def _encode_words(self, text: str, *, add_eos: bool) -> list[int]:
+        return self.encode_lines(text, add_eos=add_eos)[0]
+
+    def encode_lines(self, text: str, *, add_eos: bool = True) -> tuple[list[int], list[int]]:
+        """Word-level encoding that also returns the offset where each line starts.
+
+        lm1b treats every line (sentence) as a document, so prepare needs these offsets;
+        a ``bos`` symbol, when the vocabulary has one, opens every line.
+        """
+        index, unk = self._index, self.unk_id
+        eos = self.eos_id if add_eos else None
+        bos = self.bos_id
+        out: list[int] = []
+        starts: list[int] = []
+        for line in text.splitlines():
+            starts.append(len(out))
+            if bos is not None:
+                out.append(bos)
+            for w in line.split():
+                i = index.get(w, unk)
+                if i is None:
+                    raise DataError(f"word {w!r} is not in the vocabulary (no <unk>)")
+                out.append(i)
+            if eos is not None:
+                out.append(eos)
+        return out, starts
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        seq = [int(i) for i in ids]
+        if any(i < 0 or i >= len(self.symbols) for i in seq):
+            raise DataError(f"token id out of range for a vocabulary of {len(self.symbols)}")
+        if self.level == "byte":
+            return bytes(seq).decode("utf-8", errors="replace")
+        if self.level == "char":
+            return "".join(self.symbols[i] for i in seq)
+        eos, bos = self.eos_id, self.bos_id
+        out: list[str] = []
+        line: list[str] = []
+        for i in seq:
+            if i == bos and not line:
+                continue  # bos only marks a line start; the text has no symbol for it
+            if i == eos:
+                out.append(" ".join(line) + "\n")
+                line = []
+            else:
+                line.append(self.symbols[i])
+        if line:
+            out.append(" ".join(line))
+        return "".join(out)
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "version": FORMAT_VERSION,
+                "level": self.level,
+                "unk": self.unk,
+                "eos": self.eos,
+                "bos": self.bos,
+                "fingerprint": self.fingerprint,
+                "symbols": self.symbols,
+            },
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Vocab:
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"vocabulary is not valid JSON: {exc}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise DataError("not a txlm vocabulary (missing format: txlm-vocab)")
+        if d.get("version") != FORMAT_VERSION:
+            raise DataError(f"unsupported vocabulary version {d.get('version')!r}")
+        symbols = d.get("symbols")
+        if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
+            raise DataError("vocabulary symbols must be a list of strings")
+        vocab = cls(
+            symbols, d.get("level", ""), unk=d.get("unk"), eos=d.get("eos"), bos=d.get("bos")
+        )
+        stored = d.get("fingerprint")
+        if stored is not None and stored != vocab.fingerprint:
+            raise DataError("vocabulary fingerprint does not match its symbols (edited file?)")
+        return vocab
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Vocab:
+        p = Path(path)
+        if not p.is_file():
+            raise DataError(f"vocabulary file not found: {p}")
+        return cls.from_json(p.read_text(encoding="utf-8"))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write next to the target and rename, so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
