@@ -159,10 +159,16 @@ def attention_maps(
         raise ConfigError("the text must have at least 2 tokens")
     if tgt_len < 1 or mem_len < 0:
         raise ConfigError("tgt_len must be positive and mem_len non-negative")
+    c = model.config
+    if head is not None and not (0 <= head[0] < c.n_layer and 0 <= head[1] < c.n_head):
+        raise ConfigError(
+            f"no head {head[0]}:{head[1]} in a model of {c.n_layer} layers x {c.n_head} heads"
+        )
+    if position is not None and not 0 <= position < ids.numel():
+        raise ConfigError(f"position {position} is outside the text's {ids.numel()} tokens")
     model.eval()
     original = model.config
     device = next(model.parameters()).device
-    c = original
     n_dist = mem_len + tgt_len
     model.set_lengths(tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0)
     with_terms = terms and c.attn_type == "xl"
@@ -184,9 +190,7 @@ def attention_maps(
             if capture is not None:  # only count the segments we average
                 for t in "abd":
                     capture.sums[t] = [None] * c.n_layer
-            _, mems, _ = model.transform(
-                x, mems, attn_kwargs={"return_probs": True}, extras=extras
-            )
+            _, mems, _ = model.transform(x, mems, attn_kwargs={"return_probs": True}, extras=extras)
             probs = torch.stack([e["probs"][0] for e in extras]).float().cpu()  # [N, H, L, K]
             want_view = position is not None and start <= position < start + x.size(1)
             if s < use_from and not want_view:
@@ -210,8 +214,6 @@ def attention_maps(
     if with_terms:
         result.terms = {t: term_totals[t] / max(queries, 1) for t in "abd"}
     layer, hd = head if head is not None else result.widest_heads(1)[0][:2]
-    if not (0 <= layer < c.n_layer and 0 <= hd < c.n_head):
-        raise ConfigError(f"no head {layer}:{hd} in a model of {c.n_layer}x{c.n_head} heads")
     start, probs = seg_probs[-1]
     query = probs.size(2) - 1 if position is None else position - start
     result.segment = SegmentView(
@@ -261,7 +263,8 @@ def format_table(maps: AttentionMaps, top: int = 5) -> str:
     lines = [
         f"Attention over relative distance (Appendix D): {maps.queries} queries, "
         f"segment {maps.tgt_len}, memory {maps.mem_len}",
-        f"{'layer':>5} {'head':>4}  {'mean dist':>9}  {'p(d=0)':>7}  {'p(d=1)':>7}  {'p(far half)':>11}",
+        f"{'layer':>5} {'head':>4}  {'mean dist':>9}  {'p(d=0)':>7}  {'p(d=1)':>7}  "
+        f"{'p(far half)':>11}",
     ]
     spans = maps.head_spans()
     half = maps.mean.size(-1) // 2
@@ -274,7 +277,9 @@ def format_table(maps: AttentionMaps, top: int = 5) -> str:
     lines.append(f"(the {min(top, spans.numel())} heads with the widest mean attended distance)")
     for t, m in maps.terms.items():
         d = torch.arange(m.size(-1), dtype=m.dtype)
-        lines.append(f"term ({t}) alone: mean attended distance {float((m * d).sum(-1).mean()):.2f}")
+        lines.append(
+            f"term ({t}) alone: mean attended distance {float((m * d).sum(-1).mean()):.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -321,7 +326,9 @@ def plot_head_segment(maps: AttentionMaps, path) -> None:
     top.set_ylabel("query")
     fig.colorbar(image, ax=top, fraction=0.04)
     bottom.bar(range(view.probs.size(1)), view.probs[view.query].numpy(), width=1.0)
-    bottom.set_xlabel(f"key, for query {view.query} (stream position {view.segment_start + view.query})")
+    bottom.set_xlabel(
+        f"key, for query {view.query} (stream position {view.segment_start + view.query})"
+    )
     bottom.set_ylabel("attention")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
