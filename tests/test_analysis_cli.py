@@ -96,12 +96,16 @@ def test_recl_json_table(env):
 def test_ablate_json(env):
     r = _txlm(
         env, "ablate", "--preset", "debug", "--steps", "3", "--eval-tokens", "256",
-        "--eval-lengths", "16", "--threads", "1", "--json",
+        "--eval-lengths", "16", "--threads", "1", "--json", "--save-dir", str(env / "group"),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [row["name"] for row in out["rows"]] == ["xl", "shaw", "xl-norec", "vanilla"]
     assert out["settings"]["steps"] == 3 and out["metric"] == "bpc"
+    # the saved group loads, and reproduces the table's "init" figure of the vanilla row
+    model = txlm.load(env / "group" / "vanilla")
+    assert model.config.attn_type == "alrfou" and model.config.mem_len == 0
+    assert out["checkpoints"][3] == str(env / "group" / "vanilla")
 
 
 @pytest.mark.parametrize(

@@ -296,8 +296,13 @@ def run_ablation(
     data_dir: str | None = None,
     device: torch.device | str = "cpu",
     progress: bool = False,
+    save_dir: str | Path | None = None,
 ) -> AblationResult:
-    """Train and evaluate the group; the Table-6-shaped result."""
+    """Train and evaluate the group; the Table-6-shaped result.
+
+    save_dir: also save every trained model as a checkpoint ``save_dir/<variant name>`` (with
+    the corpus's vocabulary), e.g. to measure the group's RECL with ``txlm recl``.
+    """
     start = time.perf_counter()
     s = settings.resolved()
     device = torch.device(device)
@@ -325,6 +330,17 @@ def run_ablation(
             seed=settings.seed, device=device, progress=progress,
         )  # fmt: skip
         seconds = time.perf_counter() - t0
+        if save_dir is not None:
+            from txlm.checkpoint import save
+
+            save(
+                model,
+                Path(save_dir) / v.name,
+                vocab_json=corpus.vocab.to_json(),
+                extra_config={
+                    "ablation": {**asdict(v), "steps": s["steps"], "seed": settings.seed}
+                },
+            )
         init = evaluate_nll(model, valid, tgt_len=tgt, mem_len=config.mem_len, same_length=False)
         by_len = {
             str(a): evaluate_nll(model, valid, tgt_len=tgt, mem_len=a, same_length=True)

@@ -317,8 +317,11 @@ def _run_ablate(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         device=device,
         progress=not args.json,
+        save_dir=args.save_dir,
     )
     payload = {"command": "ablate", **result.to_dict()}
+    if args.save_dir:
+        payload["checkpoints"] = [str(Path(args.save_dir) / r.name) for r in result.rows]
     out = _out_dir(args)
     if out is not None:
         figure = out / "table6_ablation.png"
@@ -410,6 +413,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ab.add_argument("--half-loss", action="store_true", help="add the half-loss variants")
     ab.add_argument("--lr", type=float, default=None, help="peak learning rate")
     ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument(
+        "--save-dir", default=None, help="also save each trained model here (for txlm recl)"
+    )
     ab.add_argument("--data", default="shakespeare", help="prepared dataset name or folder")
     ab.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")
     _add_output(ab)
