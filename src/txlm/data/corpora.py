@@ -149,6 +149,7 @@ class RawCorpus:
     splits: dict[str, SplitSource]
     settings: dict = field(default_factory=dict)  # tokenizer/split settings for meta.json
     vocab_file: Path | None = None  # lm1b ships its vocabulary
+    char_unk: bool = True  # char level: add <unk> for characters unseen in train
 
 
 # --- reading and checking text ------------------------------------------------------------
@@ -195,7 +196,7 @@ def iter_lines_grouped(path: Path, starts_doc: Callable[[str], bool]) -> Iterato
     """Stream a large UTF-8 file line by line, grouping lines into documents."""
     buf: list[str] = []
     size = 0
-    first = True
+    seen_start = False  # lines before the first document start join the first document
     new_doc = True
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -204,10 +205,11 @@ def iter_lines_grouped(path: Path, starts_doc: Callable[[str], bool]) -> Iterato
             except UnicodeDecodeError:
                 raise DataError(f"{path} is not UTF-8 text (line {lineno})") from None
             line = line.replace("\r\n", "\n")
-            if starts_doc(line) and not first and buf:
-                yield "".join(buf), new_doc
-                buf, size, new_doc = [], 0, True
-            first = False
+            if starts_doc(line):
+                if seen_start and buf:
+                    yield "".join(buf), new_doc
+                    buf, size, new_doc = [], 0, True
+                seen_start = True
             buf.append(line)
             size += len(line)
             if size >= PIECE_CHARS:
@@ -405,6 +407,7 @@ def read_text8(archive: Path, work: Path) -> RawCorpus:
     return RawCorpus(
         _split_texts({"train": [text[:a]], "valid": [text[a:b]], "test": [text[b:]]}),
         {"split": "last n/20 chars test, n/20 before valid (90M/5M/5M)", "documents": "one"},
+        char_unk=False,
     )
 
 

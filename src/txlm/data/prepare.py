@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from txlm.data import corpora
 from txlm.data.corpora import SPECS, SPLITS, RawCorpus
@@ -170,7 +171,12 @@ def _is_current(out: Path, key: str) -> bool:
         meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return False
-    if meta.get("input_key") != key or not (out / "vocab.json").is_file():
+    if meta.get("input_key") != key:
+        return False
+    try:  # an edited or foreign vocab.json makes the copy stale: rebuild it
+        if Vocab.load(out / "vocab.json").fingerprint != meta.get("vocab_fingerprint"):
+            return False
+    except DataError:
         return False
     dtype = np.dtype(meta["dtype"])
     for info in meta["splits"].values():
@@ -260,7 +266,7 @@ def prepare_dataset(
         vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
         splits_meta = {}
         for split in SPLITS:
-            splits_meta[split] = _encode_split(raw, split, vocab, tmp)
+            splits_meta[split] = _encode_split(raw, split, vocab, tmp, progress=progress)
         vocab.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
@@ -334,14 +340,15 @@ def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | N
         counts: Counter[str] = Counter()
         for text, _ in train.pieces():
             assert isinstance(text, str)
-            cps, n = np.unique(
-                np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32), return_counts=True
-            )
-            counts.update({chr(int(c)): int(k) for c, k in zip(cps, n, strict=True)})
+            # bincount over code points: linear time, and at most 1.1M bins even for emoji
+            bins = np.bincount(np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32))
+            seen = np.flatnonzero(bins)
+            counts.update({chr(int(c)): int(bins[c]) for c in seen})
         if not counts:
             raise DataError("the train split is empty")
-        # Valid/test characters never seen in train map to <unk> (Shakespeare has a few).
-        return Vocab.build_char(counts, unk=True)
+        # Characters never seen in train (in valid/test, or in a generation prompt) map to
+        # <unk>. text8 has a fixed 27-letter alphabet and no <unk>: the paper's softmax.
+        return Vocab.build_char(counts, unk=raw.char_unk)
     words: Counter[str] = Counter()
     for text, _ in train.pieces():
         assert isinstance(text, str)
@@ -366,7 +373,11 @@ def read_lm1b_vocab(path: Path) -> Vocab:
 def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     settings: dict = {"level": level, "newlines": "\\r\\n read as \\n; a leading BOM dropped"}
     if level == "char":
-        settings["unknown"] = "characters not in train map to <unk>"
+        settings["unknown"] = (
+            "characters not in train map to <unk>"
+            if vocab.unk
+            else "no <unk>: a fixed alphabet, every character occurs in train"
+        )
     if level == "word":
         settings.update(
             split="whitespace",
@@ -378,28 +389,39 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     return settings
 
 
-def _encode_split(raw: RawCorpus, split: str, vocab: Vocab, folder: Path) -> dict:
+def _encode_split(
+    raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
+) -> dict:
     source = raw.splits[split]
-    starts: list[int] = []
+    # numpy chunks, not one list of ints: lm1b has 30M sentence starts (1 GB as Python ints)
+    starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
     n = 0
     file = folder / f"{split}.bin"
-    with open(file, "wb") as f:
+    bar = tqdm(
+        desc=f"{folder.name.split('.tmp-')[0].lstrip('.')} {split}",
+        unit=" tokens",
+        unit_scale=True,
+        disable=not progress,
+        leave=False,
+    )
+    with open(file, "wb") as f, bar:
         for text, new_doc in source.pieces():
             if vocab.level == "word":
                 assert isinstance(text, str)
                 ids_list, line_starts = vocab.encode_lines(text)
                 ids = np.asarray(ids_list, dtype=vocab.dtype)
                 if source.line_docs:
-                    starts.extend(n + s for s in line_starts)
+                    starts.append(n + np.asarray(line_starts, dtype=np.int64))
             else:
                 ids = vocab.encode_array(text).astype(vocab.dtype)
             if new_doc and not source.line_docs:
-                starts.append(n)
+                starts.append(np.array([n], dtype=np.int64))
             f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
             n += len(ids)
+            bar.update(len(ids))
     if n == 0:
         raise DataError(f"the {split} split is empty after tokenisation")
-    doc = np.unique(np.asarray([0, *starts], dtype=np.int64))
+    doc = np.unique(np.concatenate(starts))
     doc = doc[doc < n]
     info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
     info["documents"] = len(doc)

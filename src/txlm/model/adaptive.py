@@ -9,8 +9,10 @@ clusters. With ``div_val > 1`` rarer clusters get narrower embeddings, each proj
 With no cutoffs both classes reduce to a plain embedding and a full softmax.
 
 Layout note: the head softmax scores the shortlist tokens followed by one logit per tail
-cluster, and cluster i (1-based) owns head column -i, as in the original code. We keep that
-order so converted weights need no reshuffling.
+cluster, and cluster i (1-based) owns head column shortlist + i - 1 (row i - 1 of
+cluster_weight), as the original code's training loss does. Published checkpoints were
+trained that way, so converted weights need no reshuffling. (HF's ``log_prob`` helper reads
+column -i instead, which disagrees with its own forward when there are 2+ tail clusters.)
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class AdaptiveLogSoftmax(nn.Module):
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
             tail = F.log_softmax(_upcast(self._logits(hidden, *self._weights(i))), dim=-1)
-            out[:, lo:hi] = head[:, -i, None] + tail
+            out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
         return out
 
     def nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
@@ -149,7 +151,7 @@ class AdaptiveLogSoftmax(nn.Module):
         cluster = torch.bucketize(
             target, torch.tensor(self.cutoffs, device=target.device), right=True
         )  # 0: shortlist, i: tail cluster i
-        head_col = torch.where(cluster == 0, target, self.shortlist + self.n_clusters - cluster)
+        head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)
         nll = -head.gather(1, head_col[:, None]).squeeze(1)
         for i in range(1, self.n_clusters + 1):
             lo, _ = self.bounds[i]

@@ -1,0 +1,147 @@
+"""Data pipeline throughput: ``prepare`` in MB/s and the stream iterators in tokens/s.
+
+    python benchmarks/data_throughput.py [--out FILE.json] [--synthetic-mb 100] [--word]
+
+Measures, in one process on this machine:
+
+* ``prepare`` on the default corpus (Shakespeare, char level; ``--word``: also word level),
+  from scratch (``force=True``): source MB / wall second;
+* ``prepare`` on a synthetic ``text:PATH`` file of ``--synthetic-mb`` MB made by repeating
+  the Shakespeare works (same character statistics, realistic document breaks);
+* ``StreamIterator`` (continue and reset mode) and ``SentenceStreamIterator`` over the
+  prepared memmaps: tokens per second produced, batches of 32 x 512 on the CPU. The iterator
+  must never be the bottleneck: the model trains at thousands of tokens/s on this machine.
+
+Prints one JSON object (and writes it to ``--out`` when given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from txlm.data import SentenceStreamIterator, StreamIterator, load_prepared, prepare_dataset
+from txlm.data.corpora import shakespeare_files
+
+
+def timed_prepare(name: str, data_dir: Path, **kw: object) -> dict:
+    start, cpu = time.perf_counter(), time.process_time()
+    path = prepare_dataset(name, data_dir, force=True, progress=False, **kw)
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    corpus = load_prepared(path)
+    mb = corpus.meta["source_bytes"] / 1e6
+    tokens = sum(int(s["tokens"]) for s in corpus.meta["splits"].values())
+    return {
+        "dataset": name if not name.startswith("text:") else "text:(synthetic)",
+        "level": corpus.level,
+        "source_mb": round(mb, 2),
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "mb_per_s": round(mb / seconds, 2),
+        # the machine is shared: CPU seconds show the cost without other processes' load
+        "cpu_seconds": round(cpu, 3),
+        "mb_per_cpu_s": round(mb / cpu, 2),
+        "path": str(path),
+    }
+
+
+def iterate(it, max_batches: int) -> dict:
+    n_tokens = 0
+    n = 0
+    start, cpu = time.perf_counter(), time.process_time()
+    for batch in it:
+        n_tokens += batch.num_tokens
+        n += 1
+        if n >= max_batches:
+            break
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "batches": n,
+        "tokens": n_tokens,
+        "tokens_per_s": round(n_tokens / seconds),
+        "tokens_per_cpu_s": round(n_tokens / cpu),
+    }
+
+
+def synthetic_file(folder: Path, megabytes: float) -> Path:
+    works = [
+        p.read_bytes().replace(b"\r\n", b"\n")
+        for s in ("train", "valid", "test")
+        for p in shakespeare_files()[s]
+    ]
+    block = b"\n\n\n".join(works) + b"\n\n\n"
+    target = int(megabytes * 1e6)
+    out = folder / "synthetic.txt"
+    with open(out, "wb") as f:
+        written = 0
+        while written < target:
+            piece = block[: target - written]
+            f.write(piece)
+            written += len(piece)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--synthetic-mb", type=float, default=100.0)
+    ap.add_argument("--word", action="store_true", help="also time word-level prepares")
+    ap.add_argument("--batches", type=int, default=300)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    result: dict = {
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "python": platform.python_version(),
+        "prepare": [],
+        "iterators": {},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        shakes = timed_prepare("shakespeare", root / "data")
+        result["prepare"].append(shakes)
+        if args.word:
+            result["prepare"].append(timed_prepare("shakespeare", root / "data", level="word"))
+        big = synthetic_file(root, args.synthetic_mb)
+        synth = timed_prepare(f"text:{big}", root / "data")
+        result["prepare"].append(synth)
+        if args.word:
+            result["prepare"].append(timed_prepare(f"text:{big}", root / "data", level="word"))
+        big.unlink()
+
+        corpus = load_prepared(synth["path"])
+        train, docs = corpus.split("train"), corpus.doc_starts("train")
+        b, length = 32, 512
+        its = result["iterators"]
+        its["stream_continue_32x512"] = iterate(StreamIterator(train, b, length), args.batches)
+        its["stream_reset_32x512"] = iterate(
+            StreamIterator(train, b, length, doc_starts=docs, doc_mode="reset"), args.batches
+        )
+        its["stream_varlen_32x512"] = iterate(
+            StreamIterator(train, b, length, varlen=True), args.batches
+        )
+        # lm1b-like: sentences of about 27 tokens, as many as in the synthetic train split
+        rng = np.random.default_rng(0)
+        lens = rng.integers(10, 45, len(train) // 30)
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+        its["sentences_reset_32x512"] = iterate(
+            SentenceStreamIterator(
+                train[: int(lens.sum())], b, length, doc_starts=starts, doc_mode="reset"
+            ),
+            args.batches,
+        )
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
