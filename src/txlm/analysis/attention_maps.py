@@ -293,7 +293,14 @@ def _plt():
     return plt
 
 
+def _span(grid: Tensor) -> int:
+    """Columns up to the farthest distance any head can reach (same_length leaves a zero tail)."""
+    nonzero = (grid.abs().amax(dim=tuple(range(grid.dim() - 1))) > 0).nonzero()
+    return int(nonzero.max()) + 1 if nonzero.numel() else grid.size(-1)
+
+
 def _heatmap(ax, grid: Tensor, title: str, n_head: int) -> None:
+    grid = grid[..., : _span(grid)]
     image = ax.imshow(grid.numpy(), aspect="auto", cmap="Blues", interpolation="nearest")
     ax.set_title(title)
     ax.set_xlabel("relative distance")
