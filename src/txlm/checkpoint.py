@@ -239,7 +239,8 @@ def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
     layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
     if len(layers) != config.n_layer:
         raise CheckpointError(
-            f"{weights} holds {len(layers)} layers; its config.json says n_layer={config.n_layer}"
+            f"{weights} does not match its config.json: it holds {len(layers)} layers, "
+            f"the config says n_layer={config.n_layer}"
         )
     return shapes
 
