@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from txlm.commands import eval_file
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -47,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    eval_file.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -58,6 +61,8 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.file is not None:  # any text file instead of a prepared split
+        return eval_file.run(args)
     import torch
 
     from txlm import checkpoint
