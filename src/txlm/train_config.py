@@ -198,9 +198,11 @@ def preset_config(name: str) -> TrainConfig:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a binary file (e.g. a pickle) passed as --config
+        raise ConfigError(f"{path} is not UTF-8 text (byte {exc.start}): not a YAML file") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path} is not valid YAML: {str(exc).splitlines()[0]}") from None
     if data is None:
