@@ -149,6 +149,20 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
         raise CheckpointError(f"{path} does not fit this model's optimizer: {exc}") from None
 
 
+@contextlib.contextmanager
+def _reading(path: Path) -> Any:
+    """Turn any failure to read or apply ``path`` into one CheckpointError naming it."""
+    try:
+        yield
+    except TxlmError:
+        raise
+    except Exception as exc:  # SafetensorError, JSONDecodeError, UnicodeDecodeError, KeyError...
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(
+            f"cannot resume from {path}: damaged or not a txlm file ({detail})"
+        ) from None
+
+
 # -- memory of the training streams -------------------------------------------------------
 @dataclass
 class Memory:
@@ -611,28 +625,42 @@ class Trainer:
         loaded = checkpoint.load(directory, device=self.device)
         self.model.load_state_dict(loaded.state_dict())
         self.model.train()
-        load_optimizer(self.optimizer, directory / OPTIMIZER_FILE)
-        state = json.loads((directory / STATE_FILE).read_text())
-        if state["world_size"] != self.dist.world_size:
+        # Each of the three resume-only files may be damaged or foreign (truncated, zero bytes,
+        # a pickle under the name): whatever reading it raises becomes one CheckpointError that
+        # names the file, never a traceback.
+        with _reading(directory / OPTIMIZER_FILE):
+            load_optimizer(self.optimizer, directory / OPTIMIZER_FILE)
+        with _reading(directory / STATE_FILE):
+            state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
+            if not isinstance(state, dict):
+                raise ValueError("not a JSON object")
+            world_size = state["world_size"]
+        if world_size != self.dist.world_size:
             raise CheckpointError(
-                f"{directory} was written by {state['world_size']} processes; resume it with "
+                f"{directory} was written by {world_size} processes; resume it with "
                 f"the same number (now {self.dist.world_size}) to keep each row's memory"
             )
-        self.step = int(state["step"])
-        self.stream.load_state_dict(state["data"])
-        self.scaler.load_state_dict(state["grad_scaler"])
-        self.best_valid = state.get("best_valid_loss")
-        self.bad_steps = int(state.get("bad_steps", 0))
-        self.train_seconds = float(state.get("train_seconds", 0.0))
-        self.tokens_seen = int(state.get("tokens_seen", 0))
-        set_rng_state(state["rng"][self.dist.rank])
+        with _reading(directory / STATE_FILE):
+            self.step = int(state["step"])
+            self.stream.load_state_dict(state["data"])
+            self.scaler.load_state_dict(state["grad_scaler"])
+            self.best_valid = state.get("best_valid_loss")
+            self.bad_steps = int(state.get("bad_steps", 0))
+            self.train_seconds = float(state.get("train_seconds", 0.0))
+            self.tokens_seen = int(state.get("tokens_seen", 0))
+            set_rng_state(state["rng"][self.dist.rank])
         if state.get("has_memory"):
-            tensors = load_file(str(directory / MEMORY_FILE), device=str(self.device))
-            per = self.config.data.batch_size // self.dist.world_size
-            rows = slice(self.dist.rank * per, (self.dist.rank + 1) * per)
-            mems = [tensors[f"mems.{n}"][rows] for n in range(self.model_config.n_layer)]
-            mask = tensors["mem_mask"][rows] if "mem_mask" in tensors else None
-            self.memory = Memory(mems, mask)
+            with _reading(directory / MEMORY_FILE):
+                tensors = load_file(str(directory / MEMORY_FILE), device=str(self.device))
+                per = self.config.data.batch_size // self.dist.world_size
+                rows = slice(self.dist.rank * per, (self.dist.rank + 1) * per)
+                mems = [tensors[f"mems.{n}"][rows] for n in range(self.model_config.n_layer)]
+                mask = tensors["mem_mask"][rows] if "mem_mask" in tensors else None
+                want = (per, self.model_config.mem_len, self.model_config.d_model)
+                for n, m in enumerate(mems):
+                    if m.dim() != 3 or m.size(0) != per or m.size(2) != want[2]:
+                        raise ValueError(f"mems.{n} has shape {tuple(m.shape)}, expected {want}")
+                self.memory = Memory(mems, mask)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
