@@ -667,7 +667,11 @@ class Trainer:
         c = self.config
         r, o, e = c.run, c.optim, c.eval
         if self.dist.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
+            # Find an unwritable --out or a full disk now, not at the first save after
+            # minutes of training. An atomic save holds the old and new `last` at once: 2x.
+            checkpoint.ensure_writable(
+                self.out, 2 * checkpoint.estimate_checkpoint_bytes(self.model)
+            )
         log = _MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
         log.truncate_after(self.step)
         if self.echo:
