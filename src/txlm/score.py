@@ -130,7 +130,10 @@ def checkpoint_vocab(directory: str | Path) -> Any:
     path = resolve(directory) / VOCAB_FILE
     if not path.is_file():
         raise CheckpointError(f"{resolve(directory)} has no {VOCAB_FILE}: cannot encode text")
-    return Vocab.load(path)
+    try:
+        return Vocab.load(path)
+    except DataError as exc:  # the checkpoint is what is damaged, not a dataset
+        raise CheckpointError(str(exc)) from None
 
 
 def score_file(

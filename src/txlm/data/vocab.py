@@ -276,7 +276,16 @@ class Vocab:
         p = Path(path)
         if not p.is_file():
             raise DataError(f"vocabulary file not found: {p}")
-        return cls.from_json(p.read_text(encoding="utf-8"))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError:  # a binary file (e.g. a pickle) under the vocabulary's name
+            raise DataError(f"{p} is not UTF-8 text: not a txlm vocabulary") from None
+        except OSError as exc:
+            raise DataError(f"cannot read {p}: {exc.strerror or exc}") from None
+        try:
+            return cls.from_json(text)
+        except DataError as exc:  # say which file: a checkpoint's or a dataset's
+            raise DataError(f"{p}: {exc}") from None
 
 
 def write_text_atomic(path: Path, text: str) -> None:
