@@ -102,7 +102,7 @@ def load_prepared(path: str | Path) -> PreparedCorpus:
     if not meta_file.is_file():
         raise DataError(f"{p} is not a prepared dataset (no meta.json); run txlm prepare first")
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        meta = json.loads(_read_text(meta_file))
     except json.JSONDecodeError:
         raise DataError(f"{meta_file} is not valid JSON; run txlm prepare --force") from None
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
@@ -166,15 +166,34 @@ def _input_key(kind: str, level: str, options: dict, sources: list[dict]) -> str
     return hashlib.sha256(payload.encode()).hexdigest()
 
 
+def _read_text(path: Path) -> str:
+    """A prepared dataset's JSON file as text; a binary file there is refused, not rebuilt over.
+
+    txlm writes meta.json and vocab.json atomically, so a file that is not UTF-8 was put there
+    by something else (e.g. a pickle): say so in one line rather than delete it.
+    """
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise DataError(
+            f"{path} is not UTF-8 text, so not written by txlm prepare; remove it or run "
+            "txlm prepare --force"
+        ) from None
+
+
 def _is_current(out: Path, key: str) -> bool:
     try:
-        meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads(_read_text(out / "meta.json"))
     except (OSError, json.JSONDecodeError):
         return False
-    if meta.get("input_key") != key:
+    if not isinstance(meta, dict) or meta.get("input_key") != key:
         return False
-    try:  # an edited or foreign vocab.json makes the copy stale: rebuild it
-        if Vocab.load(out / "vocab.json").fingerprint != meta.get("vocab_fingerprint"):
+    try:  # an edited or foreign (JSON) vocab.json makes the copy stale: rebuild it
+        vocab_text = _read_text(out / "vocab.json")
+    except OSError:
+        return False
+    try:
+        if Vocab.from_json(vocab_text).fingerprint != meta.get("vocab_fingerprint"):
             return False
     except DataError:
         return False
