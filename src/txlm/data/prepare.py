@@ -28,7 +28,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,7 @@ class PreparedCorpus:
     path: Path
     vocab: Vocab
     meta: dict
+    _checked: set[str] = field(default_factory=set, repr=False)  # splits whose ids were checked
 
     @property
     def level(self) -> str:
@@ -81,7 +82,18 @@ class PreparedCorpus:
         expected = int(info["tokens"]) * dtype.itemsize
         if not file.is_file() or file.stat().st_size != expected:
             raise DataError(f"{file} is missing or truncated; run txlm prepare --force")
-        return np.memmap(file, dtype=dtype, mode="r", shape=(int(info["tokens"]),))
+        tokens = np.memmap(file, dtype=dtype, mode="r", shape=(int(info["tokens"]),))
+        # A same-size foreign file passes the size check; an id past the vocabulary would
+        # reach the embedding as an IndexError. One pass over the split, once per split.
+        if name not in self._checked:
+            top = int(tokens.max()) if len(tokens) else -1
+            if top >= len(self.vocab):
+                raise DataError(
+                    f"{file} (split {name!r}) holds token id {top}, past the vocabulary's "
+                    f"{len(self.vocab)} symbols: not this dataset's data; run txlm prepare --force"
+                )
+            self._checked.add(name)
+        return tokens
 
     def doc_starts(self, name: str) -> np.ndarray:
         info = self._split_meta(name)
