@@ -287,14 +287,21 @@ def prepare_dataset(
     if not force and _is_current(out, key):
         return out
 
+    # Local text needs no scratch folder: read and check it (binary, empty, ...) before
+    # creating anything, so a refused first prepare leaves no DATA_DIR behind.
+    raw: RawCorpus | None = None
+    if kind in ("text", "shakespeare"):
+        raw = _read(kind, user_path, paths, data_dir)
+        vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
     data_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
     os.chmod(tmp, 0o755)  # mkdtemp creates 0700
     try:
         work = tmp / "raw"
         work.mkdir()
-        raw = _read(kind, user_path, paths, work)
-        vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
+        if raw is None:
+            raw = _read(kind, user_path, paths, work)
+            vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
         splits_meta = {}
         for split in SPLITS:
             splits_meta[split] = _encode_split(raw, split, vocab, tmp, progress=progress)
