@@ -16,11 +16,15 @@ Layout of a prepared dataset ``DATA_DIR/NAME/``::
 A dataset is built in a temporary folder next to its final place and renamed into place only
 when complete, so an error or an interrupt never damages an earlier prepared copy. A second
 call whose inputs (source hashes, level, vocabulary options, format version) are unchanged
-returns the existing copy without work; ``force=True`` rebuilds.
+returns the existing copy without work; ``force=True`` rebuilds. A build holds a lock on its
+temporary folder (``DATA_DIR/.NAME.tmp-XXXX/.lock``) while it runs; the next prepare of the
+same dataset removes such folders whose lock is free, i.e. those of a killed build.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -294,9 +298,12 @@ def prepare_dataset(
         raw = _read(kind, user_path, paths, data_dir)
         vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
     data_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_folders(data_dir, out.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
     os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+    lock: int | None = None
     try:
+        lock = _hold(tmp)
         work = tmp / "raw"
         work.mkdir()
         if raw is None:
@@ -325,11 +332,53 @@ def prepare_dataset(
         }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
+        (tmp / TEMP_LOCK).unlink()  # not part of the dataset; the fd keeps the lock until done
         _swap_into_place(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
     return out
+
+
+# A build in progress holds an flock on TMP/.lock; the kernel drops it when the process dies,
+# however it dies (SIGKILL, power loss). So a temp folder of this dataset whose lock can be
+# taken, or that has no lock file, belongs to a dead prepare: the next prepare removes it.
+TEMP_LOCK = ".lock"
+
+
+def _hold(tmp: Path) -> int:
+    fd = os.open(tmp / TEMP_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    # Without flock (some network file systems) the folder simply looks in use to others.
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_stale_temp_folders(data_dir: Path, name: str) -> None:
+    """Remove DATA_DIR/.NAME.tmp-* left by a prepare of the same dataset that was killed."""
+    for folder in data_dir.glob(f".{name}.tmp-*"):
+        if not folder.is_dir():
+            continue
+        try:
+            fd = os.open(folder / TEMP_LOCK, os.O_RDWR)
+        # No lock file: killed before it made one. (A live build in the microseconds between
+        # mkdtemp and its lock would lose its folder and fail with an error; nothing in place
+        # is touched.)
+        except FileNotFoundError:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live prepare holds it (or flock is unsupported): leave it alone
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
