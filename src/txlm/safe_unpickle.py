@@ -5,7 +5,11 @@ why Hugging Face deprecated TransfoXL, whose tokenizer stores its vocabulary as 
 ``__dict__``. txlm never writes pickles; to *import* such a vocabulary it runs the pickle
 program with a global table that holds only plain containers and scalars:
 
-    dict, list, tuple, set, frozenset, OrderedDict, Counter, str, bytes, int, float, bool
+    dict, list, tuple, set, frozenset, OrderedDict, Counter, str, int, float, bool
+
+(Not ``bytes``: a vocabulary holds none, and ``bytes(2**62)`` asks for an exabyte. None of
+the callables left allocates in proportion to an int argument; a MemoryError or
+OverflowError from a crafted file is still reported as a CheckpointError.)
 
 (None, True, False, numbers, strings, lists, tuples and dicts need no global at all.) Any
 other global (``os.system``, ``builtins.eval``, a class whose ``__reduce__`` would run code,
@@ -35,7 +39,8 @@ from typing import Any
 from txlm.errors import CheckpointError
 
 # (module, name) -> the object the pickle may reference. Names outside this table are refused.
-_PLAIN_BUILTINS = (dict, list, tuple, set, frozenset, str, bytes, int, float, bool)
+# No ``bytes``: its int argument is a size (``bytes(2**62)``), a memory bomb in a 30-byte file.
+_PLAIN_BUILTINS = (dict, list, tuple, set, frozenset, str, int, float, bool)
 _ALLOWED: dict[tuple[str, str], Any] = {
     # Protocols 0-2 spell builtins the Python 2 way (__builtin__), also when Python 3 writes.
     **{(module, t.__name__): t for t in _PLAIN_BUILTINS for module in ("builtins", "__builtin__")},
@@ -82,6 +87,12 @@ def _load_one(stream: io.BufferedIOBase, source: str) -> Any:
     except (_pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError) as exc:
         # TypeError/ValueError: an allowed constructor called with odd arguments.
         raise CheckpointError(f"{source}: not a readable pickle ({exc})") from None
+    except (MemoryError, OverflowError, RecursionError) as exc:
+        # A crafted file asking for more than it holds (a huge size, deep nesting).
+        raise CheckpointError(
+            f"{source}: refused a pickle that asks for too much memory or depth "
+            f"({type(exc).__name__})"
+        ) from None
 
 
 def restricted_loads(data: bytes, *, source: str = "pickle") -> Any:
