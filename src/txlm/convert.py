@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txlm.checkpoint import save
+from txlm.checkpoint import _BUILD_DIRECTLY_BELOW, _rough_parameter_count, save
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
@@ -244,14 +244,27 @@ def hf_name_to_txlm(name: str, *, untie_r: bool) -> str | None:
     return None
 
 
-def _empty_model(config: ModelConfig) -> TransformerXL:
+def _empty_model(config: ModelConfig, state: dict[str, Tensor]) -> TransformerXL:
     """A model whose every tensor is about to be overwritten.
 
-    Built directly on the CPU: its random init costs about a second per 100M parameters,
-    while the first meta-device construction in a process imports torch's meta kernels
-    (several seconds), which dominates the conversion of small models and the CLI.
+    config.json, not the weights, decides how much this allocates: a config claiming a huge
+    vocabulary or a million layers next to a small weight file must be refused before any
+    allocation. So the layer count is compared with the weights first, and a model larger
+    than a small one is built on the meta device (shapes only); load_hf_state_dict compares
+    those shapes with the weights' and only then allocates (``to_empty``). A small model is
+    built directly on the CPU: its random init costs milliseconds, while the first
+    meta-device construction in a process imports torch's meta kernels (seconds).
     """
-    return TransformerXL(config)
+    layers = {k.split(".")[2] for k in state if k.startswith("transformer.layers.")}
+    layers |= {k.split(".")[1] for k in state if k.startswith("layers.")}
+    if layers and len(layers) != config.n_layer:
+        raise CheckpointError(
+            f"the weights hold {len(layers)} layers, config.json says n_layer={config.n_layer}"
+        )
+    if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
+        return TransformerXL(config)
+    with torch.device("meta"):
+        return TransformerXL(config)
 
 
 def _split_stacked_biases(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
@@ -275,7 +288,7 @@ def _split_stacked_biases(state: dict[str, Tensor], config: ModelConfig) -> dict
 
 def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> TransformerXL:
     """A txlm model (eval mode) holding exactly the tensors of an HF state dict."""
-    model = _empty_model(config)
+    model = _empty_model(config, state)
     targets = model.state_dict(keep_vars=True)  # every name, tied aliases included
     # Tied tensors are one Parameter under several names: fill each Parameter once.
     owner: dict[int, str] = {}
@@ -310,7 +323,8 @@ def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> Transfo
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, txlm's {name} expects "
-                f"{tuple(target.shape)}"
+                f"{tuple(target.shape)} from config.json (vocab_size={config.vocab_size}, "
+                f"d_model={config.d_model}, d_inner={config.d_inner}, n_head={config.n_head})"
             )
         sources.setdefault(id(target), []).append((hf_name, tensor))
 
@@ -322,6 +336,12 @@ def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> Transfo
             + (" ..." if len(missing) > 4 else "")
         )
 
+    if any(t.is_meta for t in targets.values()):
+        # The shapes matched the weights: now allocate (what the weights hold, no more).
+        model = model.to_empty(device="cpu")
+        model.tie_weights()
+        real = model.state_dict(keep_vars=True)
+        targets = {name: real[name] for name in targets}
     with torch.no_grad():
         for key, provided in sources.items():
             first_name, first = provided[0]
