@@ -81,10 +81,21 @@ class RelativeAttention(nn.Module):
         """[B, T, H*Dh] -> [B, H, T, Dh]."""
         return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
 
-    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values [B, H, T, Dh] of (normalised, for pre-LN) hidden states [B, T, D]."""
+    def _split_qkv(self) -> tuple[Tensor, Tensor]:
+        """Query rows [I, D] and key/value rows [2I, D] of the fused weight, as views.
+
+        One ``split`` rather than two slices: its backward concatenates the two gradients,
+        where each slice's backward would zero-fill a full-size gradient and add them up.
+        """
         inner = self.n_head * self.d_head
-        kv = F.linear(x, self.qkv.weight[inner:])
+        w_q, w_kv = self.qkv.weight.split([inner, 2 * inner])
+        return w_q, w_kv
+
+    def project_kv(self, x: Tensor, w_kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values [B, H, T, Dh] of (normalised, for pre-LN) hidden states [B, T, D]."""
+        if w_kv is None:
+            w_kv = self._split_qkv()[1]
+        kv = F.linear(x, w_kv)
         k, v = kv.chunk(2, dim=-1)
         return self._heads(k), self._heads(v)
 
@@ -107,6 +118,45 @@ class RelativeAttention(nn.Module):
             return content, None
         qp = q if v is None else q + v[:, None, :]
         return content, rel_shift(qp @ rk.transpose(-1, -2))
+
+    def _scores(
+        self,
+        q: Tensor,
+        k: Tensor,
+        rk: Tensor | None,
+        mask: Tensor,
+        u: Tensor | None,
+        v: Tensor | None,
+    ) -> Tensor:
+        """Scaled, masked scores [B, H, L, K]: the same numbers as ``score_terms`` summed,
+        scaled and masked, in fewer passes over the [B, H, L, K] buffer (it dominates the
+        memory traffic): the scale goes onto the queries ([B, H, L, Dh], K/Dh times smaller),
+        the mask is an additive 0/-inf bias added to the shifted position scores, and the
+        content matmul accumulates onto that sum (baddbmm with beta = 1).
+        """
+        batch, heads, qlen, d_head = q.shape
+        klen = k.size(2)
+        rows = batch * heads
+        qc = ((q if u is None else q + u[:, None, :]) * self.scale).reshape(rows, qlen, d_head)
+        kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
+        mask_bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        mask_bias = mask_bias.masked_fill(~mask, float("-inf"))  # [L, K] or [B, 1, L, K]
+        if rk is not None and mask.dim() == 2:
+            qp = (q if v is None else q + v[:, None, :]) * self.scale
+            # rel_shift's view merges (B, H) without a copy; the sum is a new 3-D tensor that
+            # nothing else references, so the content matmul may accumulate into it in place
+            # (add saves no inputs for backward; baddbmm's backward needs only qc and kt).
+            scores = rel_shift(qp @ rk.transpose(-1, -2)).view(rows, qlen, klen) + mask_bias
+            return scores.baddbmm_(qc, kt).view(batch, heads, qlen, klen)
+        # Per-row masks (or no position term): the sum is [B, H, L, K] and its 3-D form a
+        # view, which in-place autograd would have to copy; accumulate out of place instead.
+        if rk is None:
+            bias = mask_bias.expand(batch, heads, qlen, klen)
+        else:
+            qp = (q if v is None else q + v[:, None, :]) * self.scale
+            bias = rel_shift(qp @ rk.transpose(-1, -2)) + mask_bias
+        scores = torch.baddbmm(bias.reshape(rows, qlen, klen), qc, kt)
+        return scores.view(batch, heads, qlen, klen)
 
     # -- forward ------------------------------------------------------------------------
     def forward(
@@ -133,12 +183,12 @@ class RelativeAttention(nn.Module):
         """
         qlen = h.size(1)
         x_cur = self.norm(h) if self.pre_lnorm else h
-        inner = self.n_head * self.d_head
-        q = self._heads(F.linear(x_cur, self.qkv.weight[:inner]))  # [B, H, L, Dh]
+        w_q, w_kv = self._split_qkv()
+        q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
 
         extras: dict[str, Tensor] = {}
         if past_kv is not None:
-            k_cur, v_cur = self.project_kv(x_cur)
+            k_cur, v_cur = self.project_kv(x_cur, w_kv)
             k = torch.cat([past_kv[0], k_cur], dim=2)
             val = torch.cat([past_kv[1], v_cur], dim=2)
         else:
@@ -146,7 +196,7 @@ class RelativeAttention(nn.Module):
                 x_all = torch.cat([self.norm(mem) if self.pre_lnorm else mem, x_cur], dim=1)
             else:
                 x_all = x_cur
-            k, val = self.project_kv(x_all)
+            k, val = self.project_kv(x_all, w_kv)
             k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
         if return_kv:
             extras["k"], extras["v"] = k_cur, v_cur
@@ -162,9 +212,7 @@ class RelativeAttention(nn.Module):
         if self.attn_impl == "sdpa" and not return_probs:
             attn = self._sdpa(q, k, val, rk, mask, u, v)
         else:
-            content, position = self.score_terms(q, k, rk, u, v)
-            scores = content if position is None else content + position
-            scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+            scores = self._scores(q, k, rk, mask, u, v)
             probs = torch.softmax(
                 scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
             )
