@@ -35,16 +35,14 @@ def rel_shift(x: Tensor) -> Tensor:
     storage offset L-1 and row stride K. The extra distance -1 column makes the row stride K
     equal to the view's width, so no element is viewed twice (a cheap backward) and every
     visible pair (j <= M+i) reads from its own row; the masked pairs read finite junk.
+
+    Written as flatten + slice + view (not ``as_strided``): the same view, but it never asks
+    for the storage offset, which torch.compile cannot trace without a graph break.
     """
-    x = x.contiguous()
     *lead, qlen, kp1 = x.shape
     klen = kp1 - 1
-    stride = list(x.stride())
-    return x.as_strided(
-        (*lead, qlen, klen),
-        (*stride[:-2], klen, 1),
-        x.storage_offset() + qlen - 1,
-    )
+    flat = x.contiguous().flatten(-2)  # [..., L*(K+1)]
+    return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
 
 
 class RelativeAttention(nn.Module):
