@@ -240,6 +240,7 @@ def test_text8_chars(tmp_path, mirror):
     c = load_prepared(prepare_dataset("text8", tmp_path, mirror=mirror, progress=False))
     text = "".join(c.vocab.decode(c.split(s)) for s in ("train", "valid", "test"))
     assert text == TEXT8 and c.level == "char"
+    assert c.vocab.unk_id is None and len(c.vocab) == len(set(TEXT8))  # no unused <unk>
     assert len(c.split("test")) == len(TEXT8) // 20
 
 

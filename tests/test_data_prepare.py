@@ -53,6 +53,8 @@ def test_shakespeare_layout_split_and_round_trip(shakespeare):
     valid_text = "".join(_read(p) for p in files["valid"])
     assert len(corpus.split("valid")) == len(valid_text)
     assert corpus.meta["vocab_fingerprint"] == corpus.vocab.fingerprint
+    # characters unseen in train (say, in a prompt) become <unk>
+    assert corpus.vocab.encode("Ω")[0] == corpus.vocab.unk_id == len(corpus.vocab) - 1
     assert all(len(s["sha256"]) == 64 for s in corpus.meta["sources"])
 
 
@@ -198,3 +200,37 @@ def test_prepare_rebuilds_a_copy_whose_vocabulary_was_replaced(tmp_path):
     prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
     assert (path / "vocab.json").read_text() == good
     load_prepared(path)
+
+
+def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_path, monkeypatch):
+    import txlm.data.prepare as prep
+
+    f = tmp_path / "t.txt"
+    f.write_text("first version\n" * 100, encoding="utf-8")
+    path = prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    f.write_text("second version\n" * 100, encoding="utf-8")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prep, "_encode_split", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["text-t"]
+
+
+def test_many_document_offsets_go_to_a_side_file(tmp_path, monkeypatch):
+    import txlm.data.prepare as prep
+
+    f = tmp_path / "t.txt"
+    f.write_text("".join(f"doc {i}\n\n\n" for i in range(40)), encoding="utf-8")
+    inline = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "a", progress=False))
+    monkeypatch.setattr(prep, "INLINE_DOC_STARTS", 3)
+    side = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "b", progress=False))
+    assert "doc_starts_file" in side.meta["splits"]["train"]
+    assert (side.path / "train.docs.bin").is_file()
+    for split in ("train", "valid", "test"):
+        assert np.array_equal(side.doc_starts(split), inline.doc_starts(split))
+    assert len(side.doc_starts("train")) == 36  # 40 documents, 2 valid, 2 test

@@ -275,3 +275,40 @@ def test_sentence_stream_needs_sentences():
         SentenceStreamIterator(tokens, 4, 2, doc_starts=starts)
     with pytest.raises(DataError, match="doc_starts"):
         SentenceStreamIterator(tokens, 1, 2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(200, 2000),
+    n_docs=st.integers(1, 30),
+    world=st.sampled_from([1, 2, 4]),
+    tgt=st.integers(2, 16),
+    varlen=st.booleans(),
+    data=st.data(),
+)
+def test_reset_flags_property(n, n_docs, world, tgt, varlen, data):
+    docs = np.unique([0, *data.draw(st.lists(st.integers(1, n - 1), max_size=n_docs))])
+    batch = 2 * world
+    kw = dict(doc_starts=docs, doc_mode="reset", varlen=varlen, seed=7)
+    whole = collect(StreamIterator(positions(n), batch, tgt, **kw))
+    doc_set = set(docs.tolist())
+    for b in whole:
+        expect = torch.tensor([[int(p) in doc_set for p in row] for row in b.input_ids.tolist()])
+        if b.index == 0:
+            expect[:, 0] = True
+        assert torch.equal(b.reset, expect)
+    shards = [
+        collect(StreamIterator(positions(n), batch, tgt, rank=r, world_size=world, **kw))
+        for r in range(world)
+    ]
+    for t, b in enumerate(whole):
+        assert torch.equal(torch.cat([s[t].reset for s in shards]), b.reset)
+
+
+def test_batches_land_on_the_requested_device_and_the_corpus_is_not_copied():
+    tokens = positions(1000)
+    it = StreamIterator(tokens, 2, 10, device=torch.device("cpu"))
+    assert it.tokens is tokens  # the split is referenced, never copied or moved
+    b = next(iter(it))
+    assert b.input_ids.device.type == "cpu"
+    assert b.input_ids.is_contiguous() and b.labels.is_contiguous()

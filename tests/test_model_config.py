@@ -180,3 +180,15 @@ def test_broken_checkpoints_raise_one_clear_error(tmp_path, mutate, message):
     mutate(tmp_path / "ckpt")
     with pytest.raises(CheckpointError, match=message):
         txlm.load(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_model_runs_in_the_dtype_it_was_cast_to(dtype):
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig.from_preset("debug", cutoffs=[16, 32], div_val=2))
+    model = model.to(dtype).eval()
+    x = torch.randint(0, 64, (2, 8))
+    first = model(x)
+    out = model(x, mems=first.mems, labels=x)
+    assert out.mems[0].dtype == dtype
+    assert torch.isfinite(out.loss).all() and out.loss.dtype in (dtype, torch.float32)

@@ -13,9 +13,16 @@ from txlm.config import ModelConfig
 from txlm.model import TransformerXL, rel_shift
 from txlm.model.mask import attention_mask, causal_mask
 
-torch.set_default_dtype(torch.float64)
-
 ATOL = 1e-10
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """float64 for this module only: a global default would leak into other test files."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def make_model(seed: int = 0, **overrides) -> TransformerXL:

@@ -9,7 +9,9 @@ model = txlm.load("ckpt")
 from txlm.checkpoint import load, save
 from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
+from txlm.generate import generate
 from txlm.model import TransformerXL, TransformerXLOutput
+from txlm.score import score
 
 __version__ = "0.1.0"
 
@@ -19,7 +21,9 @@ __all__ = [
     "TransformerXL",
     "TransformerXLOutput",
     "TxlmError",
+    "generate",
     "load",
     "preset_names",
     "save",
+    "score",
 ]

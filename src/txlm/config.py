@@ -40,10 +40,10 @@ class ModelConfig:
     tgt_len: int = 128
     mem_len: int = 128
     clamp_len: int = -1  # > 0: relative distances beyond this share one encoding
-    # same_length: every query attends to exactly the mem_len most recent keys ending at
+    # same_length: every query attends to at most the mem_len most recent keys ending at
     # itself (query at key index q sees keys q - mem_len < j <= q), so the first and last
-    # query of a segment see contexts of the same length. Matches the original code and
-    # transformers' TransfoXL when memory is full.
+    # query of a segment see contexts of the same length. The same mask as the original code
+    # and transformers' TransfoXL, also while memory is still filling up.
     same_length: bool = False
     attn_type: AttnType = "xl"
     n_positions: int = 1024  # table size for the learned encodings (shaw, alrfou)

@@ -32,7 +32,8 @@ Name map (HF -> txlm), ``L`` a layer index, ``i`` a cluster index:
 
 HF keeps the biases in two places: with ``untie_r`` one pair per layer inside ``dec_attn``;
 without it one pair on the model (``transformer.r_w_bias``) that every layer's ``dec_attn``
-also references, so a ``.bin`` lists it n_layer + 1 times.
+also references, so a ``.bin`` lists it n_layer + 1 times. Checkpoints exported straight
+from the original TensorFlow code stack the untied pairs as [n_layer, H, Dh]; those are split.
 """
 
 from __future__ import annotations
@@ -253,6 +254,25 @@ def _empty_model(config: ModelConfig) -> TransformerXL:
     return TransformerXL(config)
 
 
+def _split_stacked_biases(state: dict[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
+    """With untie_r, the original TF checkpoints (and their direct exports) stack the
+    per-layer biases as one [n_layer, H, Dh] ``r_w_bias`` / ``r_r_bias``; HF's PyTorch
+    model keeps one [H, Dh] pair per layer. Accept the stacked form by splitting it."""
+    if not config.untie_r:
+        return state
+    out = dict(state)
+    for key in ("r_w_bias", "r_r_bias", "transformer.r_w_bias", "transformer.r_r_bias"):
+        t = out.get(key)
+        if t is not None and t.dim() == 3 and t.size(0) == config.n_layer:
+            del out[key]
+            for n in range(config.n_layer):
+                layer_key = f"transformer.layers.{n}.dec_attn.{key.rsplit('.', 1)[-1]}"
+                if layer_key in out:
+                    raise CheckpointError(f"both stacked {key!r} and per-layer {layer_key!r}")
+                out[layer_key] = t[n]
+    return out
+
+
 def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> TransformerXL:
     """A txlm model (eval mode) holding exactly the tensors of an HF state dict."""
     model = _empty_model(config)
@@ -265,7 +285,7 @@ def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> Transfo
         aliases.setdefault(id(p), []).append(name)
     sources: dict[int, list[tuple[str, Tensor]]] = {}
 
-    for hf_name, tensor in state.items():
+    for hf_name, tensor in _split_stacked_biases(state, config).items():
         base = hf_name.removeprefix("transformer.")
         if base == _INV_FREQ:
             expected = inverse_frequencies(config.d_model)

@@ -7,6 +7,19 @@ import json
 import time
 
 DATASETS = "shakespeare (default, offline) | wt2 | wt103 | ptb | enwik8 | text8 | lm1b | text:PATH"
+EPILOG = """\
+output: DATA_DIR/NAME/{train,valid,test}.bin (token ids), vocab.json, meta.json
+  NAME is the dataset, plus -LEVEL for a non-default level; text:PATH gives text-STEM.
+splits: shakespeare holds out two works for valid and two for test (see meta.json);
+  enwik8/text8 the paper's 90M/5M/5M; lm1b tests on heldout shard 00000, validates on 00001;
+  text:PATH: with 10+ documents the last n/20 are test and the n/20 before valid, else the
+  text is cut 90/5/5 at line starts.
+documents: text:PATH folder = one per .txt file; in one file, 2+ blank lines end a document.
+downloads: DATA_DIR/downloads/, resumed when interrupted, checked against a published sha256
+  (wt2, wt103, enwik8, text8) or the one recorded at first download (ptb, lm1b).
+environment: TXLM_DATA_DIR, TXLM_MIRROR (base URL for every download), TXLM_SHA256_FILE
+  (JSON {file name: sha256} for a mirror serving re-packed archives).
+"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,6 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "prepare",
         help="prepare a corpus: token-id files, vocab.json, meta.json",
         description=f"Prepare a dataset. DATASET: {DATASETS}.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("dataset", nargs="?", default="shakespeare", metavar="DATASET")
     p.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")

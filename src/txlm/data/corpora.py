@@ -149,6 +149,7 @@ class RawCorpus:
     splits: dict[str, SplitSource]
     settings: dict = field(default_factory=dict)  # tokenizer/split settings for meta.json
     vocab_file: Path | None = None  # lm1b ships its vocabulary
+    char_unk: bool = True  # char level: add <unk> for characters unseen in train
 
 
 # --- reading and checking text ------------------------------------------------------------
@@ -406,6 +407,7 @@ def read_text8(archive: Path, work: Path) -> RawCorpus:
     return RawCorpus(
         _split_texts({"train": [text[:a]], "valid": [text[a:b]], "test": [text[b:]]}),
         {"split": "last n/20 chars test, n/20 before valid (90M/5M/5M)", "documents": "one"},
+        char_unk=False,
     )
 
 

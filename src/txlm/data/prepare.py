@@ -346,8 +346,9 @@ def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | N
             counts.update({chr(int(c)): int(bins[c]) for c in seen})
         if not counts:
             raise DataError("the train split is empty")
-        # Valid/test characters never seen in train map to <unk> (Shakespeare has a few).
-        return Vocab.build_char(counts, unk=True)
+        # Characters never seen in train (in valid/test, or in a generation prompt) map to
+        # <unk>. text8 has a fixed 27-letter alphabet and no <unk>: the paper's softmax.
+        return Vocab.build_char(counts, unk=raw.char_unk)
     words: Counter[str] = Counter()
     for text, _ in train.pieces():
         assert isinstance(text, str)
@@ -372,7 +373,11 @@ def read_lm1b_vocab(path: Path) -> Vocab:
 def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     settings: dict = {"level": level, "newlines": "\\r\\n read as \\n; a leading BOM dropped"}
     if level == "char":
-        settings["unknown"] = "characters not in train map to <unk>"
+        settings["unknown"] = (
+            "characters not in train map to <unk>"
+            if vocab.unk
+            else "no <unk>: a fixed alphabet, every character occurs in train"
+        )
     if level == "word":
         settings.update(
             split="whitespace",
@@ -388,7 +393,8 @@ def _encode_split(
     raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
 ) -> dict:
     source = raw.splits[split]
-    starts: list[int] = []
+    # numpy chunks, not one list of ints: lm1b has 30M sentence starts (1 GB as Python ints)
+    starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
     n = 0
     file = folder / f"{split}.bin"
     bar = tqdm(
@@ -405,17 +411,17 @@ def _encode_split(
                 ids_list, line_starts = vocab.encode_lines(text)
                 ids = np.asarray(ids_list, dtype=vocab.dtype)
                 if source.line_docs:
-                    starts.extend(n + s for s in line_starts)
+                    starts.append(n + np.asarray(line_starts, dtype=np.int64))
             else:
                 ids = vocab.encode_array(text).astype(vocab.dtype)
             if new_doc and not source.line_docs:
-                starts.append(n)
+                starts.append(np.array([n], dtype=np.int64))
             f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
             n += len(ids)
             bar.update(len(ids))
     if n == 0:
         raise DataError(f"the {split} split is empty after tokenisation")
-    doc = np.unique(np.asarray([0, *starts], dtype=np.int64))
+    doc = np.unique(np.concatenate(starts))
     doc = doc[doc < n]
     info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
     info["documents"] = len(doc)

@@ -26,6 +26,11 @@ Document modes:
   Labels are not altered: the token after a document's last token is still predicted (from
   that document), as in ``continue`` mode, so both modes score the same tokens.
 
+Iterating continues from the current position to the end of that epoch; the next loop
+starts the next epoch. For evaluation, build a fresh iterator (or call ``set_epoch(0)``) for
+every pass over a split. The last batch of an epoch may be shorter than ``tgt_len`` so that
+every token of the rows is used.
+
 ``state_dict()`` records (epoch, next batch) and the settings that define the layout; a
 resumed iterator yields exactly the batches an uninterrupted one would, also with another
 world size. The token array stays where it is (usually a read-only memmap); only batches are
@@ -167,8 +172,9 @@ class _SegmentStream:
     ) -> Batch:
         data = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64))
         non_blocking = self.device.type == "cuda"
-        x = data[:, :-1].to(self.device, non_blocking=non_blocking)
-        y = data[:, 1:].to(self.device, non_blocking=non_blocking)
+        # contiguous, so that callers may .view() them (a shifted slice is not)
+        x = data[:, :-1].contiguous().to(self.device, non_blocking=non_blocking)
+        y = data[:, 1:].contiguous().to(self.device, non_blocking=non_blocking)
         reset = None
         if flags is not None:
             reset = torch.from_numpy(flags).to(self.device, non_blocking=non_blocking)

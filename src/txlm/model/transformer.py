@@ -129,6 +129,12 @@ class TransformerXL(nn.Module):
                 params.pop(id(p), None)
         return sum(p.numel() for p in params.values())
 
+    def generate(self, prompts, **kwargs):
+        """Sample continuations with the cached incremental decoder: ``txlm.generate.generate``."""
+        from txlm.generate import generate  # imported here: txlm.generate imports this module
+
+        return generate(self, prompts, **kwargs)
+
     # -- forward ------------------------------------------------------------------------
     def forward(
         self,
@@ -186,7 +192,7 @@ class TransformerXL(nn.Module):
         pos: Tensor | None = None
         if c.attn_type == "xl":
             dist = relative_distances(klen, c.clamp_len, device)
-            pos = self.drop(sinusoid(dist, c.d_model))  # R [K+1, D]
+            pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
         elif c.attn_type == "shaw":
             pos = relative_distances(
                 klen,

@@ -1,0 +1,235 @@
+"""``txlm generate CKPT --prompt TEXT``: sample text from a checkpoint, streamed as produced.
+
+The context is read in segments that fill the memory, then tokens are drawn one at a time from
+the renormalised top-k (the paper's Appendix E), each step reusing the cached memory keys and
+values (txlm.generate). Symbols of the prompt that the vocabulary lacks become ``<unk>`` when
+it has one (a note on stderr says how many); without ``<unk>`` the prompt is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from txlm.checkpoint import load
+from txlm.errors import CheckpointError, ConfigError
+from txlm.generate import SamplingConfig, stream
+from txlm.score import checkpoint_vocab
+
+DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="sample text from a checkpoint (cached incremental decoding)",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument(
+        "--prompt", metavar="TEXT", action="append",
+        help='the context ("" starts from nothing); repeat for several prompts in one batch',
+    )  # fmt: skip
+    src.add_argument("--prompt-file", metavar="F", type=Path, help="read the context from F")
+    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="default 200")
+    p.add_argument("--top-k", type=int, default=40, metavar="K", help="default 40 (paper)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus, in (0, 1]")
+    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="> 0, default 1")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="same seed, same text")
+    p.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=DEFAULT_MAX_CONTEXT,
+        metavar="N",
+        help=f"read at most the last N prompt tokens (default {DEFAULT_MAX_CONTEXT}; 0: all)",
+    )
+    p.add_argument("--mem-len", type=int, default=None, metavar="N", help="memory length")
+    p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
+    p.add_argument("--clamp-len", type=int, default=None, metavar="N")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    p.set_defaults(func=run)
+
+
+def start_token(vocab: Any) -> int | None:
+    """What an empty prompt starts from: a symbol that precedes new text in the corpora."""
+    for tid in (vocab.eos_id, vocab.bos_id):
+        if tid is not None:
+            return int(tid)
+    newline = "10" if vocab.level == "byte" else "\n"
+    return vocab.id_of(newline) if newline in vocab else None
+
+
+def encode_prompt(vocab: Any, text: str) -> tuple[list[int], int]:
+    """Prompt ids and how many symbols became ``<unk>``.
+
+    Word level: the vocabulary ends every line with ``<eos>``; an unfinished last line (no
+    trailing newline) must stay open, so its ``<eos>`` is dropped.
+    """
+    ids = [int(i) for i in vocab.encode(text)]
+    if (
+        vocab.level == "word"
+        and ids
+        and vocab.eos_id is not None
+        and ids[-1] == vocab.eos_id
+        and not text.endswith(("\n", "\r"))
+    ):
+        ids.pop()
+    if vocab.level == "word":
+        n_unk = sum(1 for w in text.split() if w not in vocab)
+    elif vocab.level == "char":
+        n_unk = sum(1 for ch in text if ch not in vocab)
+    else:  # bytes: every value is a symbol
+        n_unk = 0
+    return ids, n_unk
+
+
+class _TextStream:
+    """Writes the decoded continuation as tokens arrive (decode of the whole, minus what was
+    written: safe for vocabularies whose decode joins with spaces or assembles bytes)."""
+
+    def __init__(self, vocab: Any, prompt_ids: list[int], out: Any) -> None:
+        self.vocab, self.prompt, self.out = vocab, prompt_ids, out
+        self.base = vocab.decode(prompt_ids)
+        self.ids: list[int] = []
+        self.written = 0
+
+    def text(self) -> str:
+        return self.vocab.decode(self.prompt + self.ids)[len(self.base) :]
+
+    def push(self, tid: int, *, final: bool = False) -> None:
+        self.ids.append(tid)
+        self.flush(final=final)
+
+    def flush(self, *, final: bool = False) -> None:
+        text = self.text()
+        if not final:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence may still complete
+        if len(text) > self.written:
+            self.out.write(text[self.written :])
+            self.out.flush()
+            self.written = len(text)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return list(args.prompt)
+    path: Path = args.prompt_file
+    try:
+        return [path.read_text(encoding="utf-8")]
+    except FileNotFoundError:
+        raise ConfigError(f"prompt file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read prompt file {path}: {exc}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    # Cheap checks first: a bad flag should not wait for a model to load.
+    sampling = SamplingConfig(
+        top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, greedy=args.greedy
+    )
+    if args.max_new_tokens < 0:
+        raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.max_context < 0:
+        raise ConfigError(f"--max-context must be >= 0 (0: all), got {args.max_context}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    texts = _read_prompts(args)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no GPU is available")
+
+    model = load(args.checkpoint, device=device)
+    vocab = checkpoint_vocab(args.checkpoint)
+    if len(vocab) != model.config.vocab_size:
+        raise CheckpointError(
+            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
+        )
+    model.set_lengths(tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len)
+
+    prompts = []
+    for ids, n_unk in (encode_prompt(vocab, text) for text in texts):
+        if n_unk:
+            sys.stderr.write(
+                f"txlm: note: {n_unk} prompt symbol(s) not in the vocabulary -> <unk>\n"
+            )
+        if args.max_context and len(ids) > args.max_context:
+            sys.stderr.write(
+                f"txlm: note: prompt has {len(ids)} tokens; reading the last {args.max_context} "
+                "(--max-context 0 reads all)\n"
+            )
+            ids = ids[-args.max_context :]
+        prompts.append(ids)
+    start = start_token(vocab)
+    if start is None and not all(prompts):
+        raise ConfigError("empty prompt, and the vocabulary has no symbol to start from")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    if args.seed is None and not args.json:
+        sys.stderr.write(f"txlm: seed {seed}\n")
+
+    live = args.num_samples == 1 and len(prompts) == 1 and not args.json
+    # one stream per row, prompt-major like txlm.generate.stream
+    rows = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
+    streams = [_TextStream(vocab, prompts[i], sys.stdout) for i, _ in rows]
+    if live:
+        sys.stdout.write(texts[0])
+        sys.stdout.flush()
+    began = time.perf_counter()
+    n_new = 0
+    steps = stream(
+        model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
+        num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
+    )  # fmt: skip
+    for t, tokens in enumerate(steps):
+        n_new = t + 1
+        final = n_new == args.max_new_tokens
+        for s, tid in zip(streams, tokens.tolist(), strict=True):
+            if live:
+                s.push(int(tid), final=final)
+            else:
+                s.ids.append(int(tid))
+    elapsed = time.perf_counter() - began
+    rate = n_new * len(rows) / elapsed if elapsed > 0 else 0.0
+
+    if args.json:
+        result = {
+            "checkpoint": str(args.checkpoint),
+            "seed": seed,
+            "prompt_tokens": [len(p) for p in prompts],
+            "new_tokens": n_new,
+            "samples": [s.text() for s in streams],
+            "sample_ids": [s.ids for s in streams],
+            "seconds": round(elapsed, 4),
+            "tokens_per_s": round(rate, 2),
+        }
+        print(json.dumps(result))
+        return 0
+    if live:
+        streams[0].flush(final=True)
+        sys.stdout.write("\n")
+    else:
+        for (i, j), s in zip(rows, streams, strict=True):
+            which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
+            sys.stdout.write(f"=== {which} (seed {seed}) ===\n{texts[i]}{s.text()}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"txlm: {n_new * len(rows)} tokens in {elapsed:.2f}s ({rate:.1f}/s)\n")
+    return 0

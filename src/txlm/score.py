@@ -1,0 +1,200 @@
+"""Per-token log-probabilities of arbitrarily long text, in constant memory.
+
+Legend: N tokens of the text, L segment length (tgt_len), M memory length (mem_len).
+
+The text is one stream read in segments of L with the memory carried between them (the
+paper's evaluation, Sec. 3.2): token t is scored given everything before it that the memory
+reaches. Work memory is one segment's activations plus the memory, whatever N is; only the
+N - 1 output values grow with the text.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from txlm.errors import CheckpointError, ConfigError, DataError
+from txlm.model.transformer import TransformerXL
+
+
+def _ids(ids_or_text: str | Sequence[int] | Tensor | np.ndarray, vocab: Any) -> Tensor:
+    if isinstance(ids_or_text, str):
+        if vocab is None:
+            raise ConfigError("scoring text needs a vocabulary (vocab=...); or pass token ids")
+        return torch.as_tensor(vocab.encode(ids_or_text), dtype=torch.long)
+    ids = torch.as_tensor(np.asarray(ids_or_text) if not isinstance(ids_or_text, Tensor)
+                          else ids_or_text).long()  # fmt: skip
+    if ids.dim() != 1:
+        raise ConfigError(f"token ids must be one sequence [N], got shape {tuple(ids.shape)}")
+    return ids
+
+
+@torch.no_grad()
+def score(
+    model: TransformerXL,
+    ids_or_text: str | Sequence[int] | Tensor | np.ndarray,
+    vocab: Any = None,
+    *,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """log p(x_t | x_<t) for t = 1 .. N-1: float32 [N - 1] (the first token has no context).
+
+    ``ids_or_text``: token ids ([N] list / array / tensor) or a string encoded with ``vocab``
+    (``Vocab.encode``; its rules for unknown symbols apply). Lengths default to the model's
+    config; the model's own config is left unchanged.
+    """
+    ids = _ids(ids_or_text, vocab)
+    vocab_size = model.config.vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ConfigError(f"token ids must lie in [0, {vocab_size})")
+    saved = model.config
+    was_training = model.training
+    model.set_lengths(
+        tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+    )
+    model.eval()
+    try:
+        seg = model.config.tgt_len
+        device = next(model.parameters()).device
+        n = max(ids.numel() - 1, 0)
+        out = torch.empty(n, dtype=torch.float32)
+        mems = None
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, unit="tok", desc="score", leave=False)
+        for lo in range(0, n, seg):
+            hi = min(lo + seg, n)
+            inp = ids[lo:hi].to(device)[None]
+            lab = ids[lo + 1 : hi + 1].to(device)[None]
+            res = model(inp, mems=mems, labels=lab)
+            mems = res.mems
+            out[lo:hi] = -res.loss[0].float().cpu()
+            if bar is not None:
+                bar.update(hi - lo)
+        if bar is not None:
+            bar.close()
+        return out
+    finally:
+        model.config = saved
+        model.train(was_training)
+
+
+@dataclass
+class TextScore:
+    """Summary of ``score`` over a text: what ``txlm eval --file`` prints."""
+
+    tokens: int  # scored tokens (N - 1)
+    nll: float  # mean negative log-likelihood per token, nats
+    ppl: float  # exp(nll)
+    bits_per_token: float  # nll / ln 2 (bpc for a character-level vocabulary)
+    tgt_len: int
+    mem_len: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def summarize(log_probs: Tensor, *, tgt_len: int, mem_len: int) -> TextScore:
+    if log_probs.numel() == 0:
+        raise ConfigError("the text has fewer than two tokens: nothing to score")
+    nll = float(-log_probs.double().mean())
+    return TextScore(
+        tokens=log_probs.numel(),
+        nll=nll,
+        ppl=math.exp(min(nll, 700.0)),
+        bits_per_token=nll / math.log(2),
+        tgt_len=tgt_len,
+        mem_len=mem_len,
+    )
+
+
+def checkpoint_vocab(directory: str | Path) -> Any:
+    """The vocabulary saved with a checkpoint (``vocab.json``, a ``txlm.data.Vocab``)."""
+    from txlm.checkpoint import VOCAB_FILE, resolve
+    from txlm.data import Vocab  # only text in / text out needs the data package
+
+    path = resolve(directory) / VOCAB_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{resolve(directory)} has no {VOCAB_FILE}: cannot encode text")
+    return Vocab.load(path)
+
+
+def score_file(
+    checkpoint: str | Path,
+    path: str | Path,
+    *,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
+
+    Lengths default to the checkpoint's evaluation lengths when training recorded them
+    (``train.eval`` in config.json), else to the model's. Symbols outside the vocabulary
+    become ``<unk>`` when it has one, else the file is refused.
+    """
+    from txlm.checkpoint import load, read_config, resolve
+
+    ckpt = resolve(checkpoint)
+    saved = (read_config(ckpt).get("train") or {}).get("eval") or {}
+    file = Path(path)
+    if not file.is_file():
+        raise DataError(f"text file {file} does not exist")
+    model = load(ckpt, device=device)
+    vocab = checkpoint_vocab(ckpt)
+    if len(vocab) != model.config.vocab_size:
+        raise CheckpointError(
+            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
+        )
+    try:
+        text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{file} is not UTF-8 text: {exc}") from None
+    ids = torch.as_tensor(vocab.encode(text), dtype=torch.long)
+
+    def pick(value: Any, key: str) -> Any:
+        return value if value is not None else saved.get(key)
+
+    lengths = dict(
+        tgt_len=pick(tgt_len, "eval_tgt_len"),
+        mem_len=pick(mem_len, "eval_mem_len"),
+        clamp_len=pick(clamp_len, "eval_clamp_len"),
+        same_length=pick(same_length, "same_length"),
+    )
+    began = time.perf_counter()
+    log_probs = score(model, ids, **lengths, progress=progress)
+    seconds = time.perf_counter() - began
+    used = model.config.replace(**{k: v for k, v in lengths.items() if v is not None})
+    result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
+    metric = "bpc" if vocab.level in ("char", "byte") else "ppl"
+    unk = vocab.unk_id
+    result.update(
+        file=str(file),
+        checkpoint=str(ckpt),
+        metric=metric,
+        loss=result["nll"],
+        clamp_len=used.clamp_len,
+        same_length=used.same_length,
+        unk_tokens=0 if unk is None else int((ids == unk).sum()),
+        seconds=round(seconds, 4),
+        tokens_per_s=round(log_probs.numel() / seconds, 1) if seconds > 0 else 0.0,
+    )
+    result[metric] = result["bits_per_token"] if metric == "bpc" else result["ppl"]
+    return result

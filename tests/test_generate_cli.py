@@ -1,0 +1,222 @@
+"""``txlm generate`` and ``txlm.score`` end to end on tiny saved checkpoints.
+
+Bad input: one line on stderr, exit code 2, checked in-process (fast) and once through a real
+subprocess. The happy paths run the installed CLI as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+import txlm
+from txlm.cli import main
+from txlm.config import ModelConfig
+from txlm.model import TransformerXL
+from txlm.score import score, score_file
+
+data = pytest.importorskip("txlm.data", reason="needs the data package (branch data)")
+Vocab = data.Vocab
+
+CHARS = "abcdefghijklmnopqrstuvwxyz ,.:\nROMEO"
+
+
+def _save(path: Path, vocab, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(vocab)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    return txlm.save(model, path, vocab_json=vocab.to_json())
+
+
+@pytest.fixture(scope="module")
+def char_ckpt(tmp_path_factory) -> Path:
+    return _save(tmp_path_factory.mktemp("gen") / "char", Vocab.build_char(Counter(CHARS)))
+
+
+@pytest.fixture(scope="module")
+def strict_ckpt(tmp_path_factory) -> Path:
+    """A character vocabulary without <unk>: unknown symbols are refused."""
+    vocab = Vocab.build_char(Counter(CHARS), unk=False)
+    return _save(tmp_path_factory.mktemp("gen") / "strict", vocab)
+
+
+@pytest.fixture(scope="module")
+def word_ckpt(tmp_path_factory) -> Path:
+    vocab = Vocab.build_word(Counter(["the", "cat", "sat", "on", "a", "mat", "and", "the", "dog"]))
+    return _save(tmp_path_factory.mktemp("gen") / "word", vocab)
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "txlm", *argv],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--top-k", "0"], "top-k"),
+        (["--top-p", "0"], "top-p"),
+        (["--top-p", "1.5"], "top-p"),
+        (["--temperature", "0"], "temperature"),
+        (["--temperature", "-2"], "temperature"),
+        (["--max-new-tokens", "-1"], "max-new-tokens"),
+        (["--num-samples", "0"], "num-samples"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(flags, needle, char_ckpt, capsys) -> None:
+    rc = main(["generate", str(char_ckpt), "--prompt", "ab", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("txlm: error: ") and err.count("\n") == 1 and needle in err
+
+
+def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
+    cases = [
+        ["generate", str(tmp_path / "nope"), "--prompt", "a"],
+        ["generate", str(char_ckpt), "--prompt-file", str(tmp_path / "missing.txt")],
+        ["generate", str(strict_ckpt), "--prompt", "ab\u00e9"],  # no <unk> to map it to
+    ]
+    for argv in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("txlm: error: ") and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exc:  # argparse: neither --prompt nor --prompt-file
+        main(["generate", str(char_ckpt)])
+    assert exc.value.code == 2
+
+
+def test_greedy_with_temperature_zero_is_allowed(char_ckpt, capsys) -> None:
+    argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--temperature", "0"]
+    assert main([*argv, "--max-new-tokens", "3", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["sample_ids"][0]) == 3
+
+
+@pytest.mark.slow
+def test_subprocess_generate_streams_seeded_text(char_ckpt) -> None:
+    argv = ["generate", str(char_ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "30"]
+    first = _cli(*argv, "--seed", "5")
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("ROMEO:")
+    assert len(first.stdout) == len("ROMEO:") + 30 + 1  # 30 characters and a newline
+    again = _cli(*argv, "--seed", "5", "--json")
+    result = json.loads(again.stdout)
+    assert first.stdout == "ROMEO:" + result["samples"][0] + "\n"  # same seed, same text
+    model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
+    ids = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)
+    assert result["sample_ids"][0] == ids  # the CLI is the library
+    bad = _cli("generate", str(char_ckpt), "--prompt", "x", "--top-p", "2")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_empty_prompt_unk_and_samples(word_ckpt, capsys) -> None:
+    base = ["generate", str(word_ckpt), "--max-new-tokens", "6", "--seed", "1", "--json"]
+    assert main([*base, "--prompt", ""]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [0] and len(out["sample_ids"][0]) == 6
+    assert main([*base, "--prompt", "the zebra cat", "--num-samples", "3"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert "1 prompt symbol(s) not in the vocabulary -> <unk>" in cap.err
+    assert out["prompt_tokens"] == [3]  # no <eos> after an unfinished line
+    assert len(out["samples"]) == 3 and len({tuple(s) for s in out["sample_ids"]}) > 1
+
+
+def test_score_equals_one_forward_and_restores_lengths(char_ckpt) -> None:
+    model = txlm.load(char_ckpt)
+    ids = torch.randint(
+        0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(0)
+    )
+    whole = model(ids[None, :-1], labels=ids[None, 1:]).loss[0]
+    before = model.config
+    got = score(model, ids, tgt_len=7, mem_len=200)  # segments + memory reach everything
+    assert model.config == before
+    torch.testing.assert_close(got, -whole, atol=1e-5, rtol=0)
+    # short memory: equals the segment loop written out by hand
+    model.set_lengths(tgt_len=10, mem_len=5)
+    mems, want = None, []
+    for lo in range(0, 119, 10):
+        out = model(
+            ids[None, lo : min(lo + 10, 119)], mems=mems, labels=ids[None, lo + 1 : lo + 11]
+        )
+        mems = out.mems
+        want.append(-out.loss[0])
+    model.set_lengths(tgt_len=before.tgt_len, mem_len=before.mem_len)
+    torch.testing.assert_close(score(model, ids, tgt_len=10, mem_len=5), torch.cat(want))
+    vocab = Vocab.load(char_ckpt / "vocab.json")
+    torch.testing.assert_close(
+        score(model, "ROMEO: a cat", vocab), score(model, vocab.encode("ROMEO: a cat"))
+    )
+    with pytest.raises(txlm.TxlmError, match="vocabulary"):
+        score(model, "text without a vocab")
+
+
+def test_score_file_reports_bpc(char_ckpt, tmp_path) -> None:
+    f = tmp_path / "t.txt"
+    f.write_text("ROMEO: a cat sat.\n" * 10)
+    res = score_file(char_ckpt, f, tgt_len=16, mem_len=32)
+    model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
+    lp = score(model, vocab.encode(f.read_text()), tgt_len=16, mem_len=32)
+    assert res["tokens"] == 179 and res["metric"] == "bpc"
+    assert res["bpc"] == pytest.approx(float(-lp.double().mean()) / 0.6931471805599453)
+
+
+def test_eval_file_command_helper(char_ckpt, tmp_path, capsys) -> None:
+    """What ``txlm eval CKPT --file F`` runs (txlm.commands.eval_file)."""
+    import argparse
+
+    from txlm.commands import eval_file
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("--tgt-len", type=int)
+    parser.add_argument("--mem-len", type=int)
+    parser.add_argument("--json", action="store_true")
+    eval_file.add_arguments(parser)
+    f = tmp_path / "t.txt"
+    f.write_text("ROMEO: a cat sat.\n" * 5)
+    args = parser.parse_args([str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json"])
+    assert eval_file.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == 89 and out["tgt_len"] == 8 and out["metric"] == "bpc"
+    args = parser.parse_args([str(char_ckpt), "--file", str(tmp_path / "none.txt")])
+    with pytest.raises(txlm.TxlmError, match="does not exist"):
+        eval_file.run(args)
+
+
+def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:
+    f = tmp_path / "prompt.txt"
+    f.write_text("ROMEO: a cat sat on a mat. " * 4)  # 108 characters
+    base = ["generate", str(char_ckpt), "--max-new-tokens", "5", "--seed", "2", "--json"]
+    assert main([*base, "--prompt-file", str(f), "--max-context", "20"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    assert out["prompt_tokens"] == [20] and "reading the last 20" in cap.err
+    # the trimmed context is exactly what is read: same ids as passing its last 20 characters
+    assert main([*base, "--prompt", f.read_text()[-20:]]) == 0
+    assert json.loads(capsys.readouterr().out)["sample_ids"] == out["sample_ids"]
+
+
+def test_several_prompts_in_one_batch(word_ckpt, capsys) -> None:
+    """Rows of different lengths, each as if run alone (greedy: no sampling order effects)."""
+    base = ["generate", str(word_ckpt), "--max-new-tokens", "7", "--greedy", "--json"]
+    prompts = ["the cat sat on a mat and", "dog", ""]
+    assert main([*base, *(f"--prompt={p}" for p in prompts), "--num-samples", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prompt_tokens"] == [7, 1, 0] and len(out["sample_ids"]) == 6
+    for i, p in enumerate(prompts):
+        assert main([*base, f"--prompt={p}"]) == 0
+        alone = json.loads(capsys.readouterr().out)["sample_ids"][0]
+        assert out["sample_ids"][2 * i] == out["sample_ids"][2 * i + 1] == alone
