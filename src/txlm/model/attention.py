@@ -39,7 +39,7 @@ def rel_shift(x: Tensor) -> Tensor:
     Written as flatten + slice + view (not ``as_strided``): the same view, but it never asks
     for the storage offset, which torch.compile cannot trace without a graph break.
     """
-    *lead, qlen, kp1 = x.shape
+    qlen, kp1 = x.shape[-2:]
     klen = kp1 - 1
     flat = x.contiguous().flatten(-2)  # [..., L*(K+1)]
     return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
@@ -135,12 +135,16 @@ class RelativeAttention(nn.Module):
         batch, heads, qlen, d_head = q.shape
         klen = k.size(2)
         rows = batch * heads
-        qc = ((q if u is None else q + u[:, None, :]) * self.scale).reshape(rows, qlen, d_head)
+        # The keys' dtype is the matmuls' (bf16 under autocast, where q + u would promote to
+        # float32): baddbmm_ is in place, so autocast does not cast its inputs for us.
+        dtype = k.dtype
+        qc = ((q if u is None else q + u[:, None, :]) * self.scale).to(dtype)
+        qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
-        mask_bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+        mask_bias = torch.zeros(mask.shape, dtype=dtype, device=q.device)
         mask_bias = mask_bias.masked_fill(~mask, float("-inf"))  # [L, K] or [B, 1, L, K]
         if rk is not None and mask.dim() == 2:
-            qp = (q if v is None else q + v[:, None, :]) * self.scale
+            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
             # rel_shift's view merges (B, H) without a copy; the sum is a new 3-D tensor that
             # nothing else references, so the content matmul may accumulate into it in place
             # (add saves no inputs for backward; baddbmm's backward needs only qc and kt).
@@ -151,7 +155,7 @@ class RelativeAttention(nn.Module):
         if rk is None:
             bias = mask_bias.expand(batch, heads, qlen, klen)
         else:
-            qp = (q if v is None else q + v[:, None, :]) * self.scale
+            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
             bias = rel_shift(qp @ rk.transpose(-1, -2)) + mask_bias
         scores = torch.baddbmm(bias.reshape(rows, qlen, klen), qc, kt)
         return scores.view(batch, heads, qlen, klen)
@@ -182,14 +186,14 @@ class RelativeAttention(nn.Module):
         qlen = h.size(1)
         x_cur = self.norm(h) if self.pre_lnorm else h
         w_q, w_kv = self._split_qkv()
-        q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
-
         extras: dict[str, Tensor] = {}
         if past_kv is not None:
-            k_cur, v_cur = self.project_kv(x_cur, w_kv)
+            # the memory is already projected: one matmul gives this segment's q, k and v
+            q, k_cur, v_cur = (self._heads(t) for t in self.qkv(x_cur).chunk(3, dim=-1))
             k = torch.cat([past_kv[0], k_cur], dim=2)
             val = torch.cat([past_kv[1], v_cur], dim=2)
         else:
+            q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
             if mem is not None and mem.size(1) > 0:
                 x_all = torch.cat([self.norm(mem) if self.pre_lnorm else mem, x_cur], dim=1)
             else:
@@ -207,7 +211,7 @@ class RelativeAttention(nn.Module):
         rk = self.position_keys(pos) if pos is not None else None
         rk = rk.to(q.dtype) if rk is not None else None
 
-        if self.attn_impl == "sdpa" and not return_probs:
+        if self._use_sdpa(q, rk, return_probs):
             attn = self._sdpa(q, k, val, rk, mask, u, v)
         else:
             scores = self._scores(q, k, rk, mask, u, v)
@@ -223,6 +227,18 @@ class RelativeAttention(nn.Module):
         out = self.drop(self.out(attn.transpose(1, 2).flatten(2)))  # [B, L, D]
         out = h + out if self.pre_lnorm else self.norm(h + out)
         return out, extras
+
+    def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:
+        """Whether the fused kernel runs. On the CPU, torch's fused SDPA kernel has no
+        backward for an attention bias: when the position bias needs a gradient (training)
+        SDPA falls back to its unfused reference math, which makes more passes over the
+        scores than ``_scores`` (measured: benchmarks/compare.py), so we use ours there."""
+        if self.attn_impl != "sdpa" or return_probs:
+            return False
+        bias_needs_grad = (
+            rk is not None and torch.is_grad_enabled() and (q.requires_grad or rk.requires_grad)
+        )
+        return not (bias_needs_grad and q.device.type == "cpu")
 
     def _sdpa(
         self,
