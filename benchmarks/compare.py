@@ -56,6 +56,8 @@ from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
+from txlm.model.kv_eval import CachedEvaluator
+
 try:  # the generation issue's cached decoder (branch `generate`)
     from txlm.generate import CachedDecoder
 except ImportError:  # pragma: no cover - depends on what is merged
@@ -200,8 +202,10 @@ def make_train(lib: str, model, s: Shape, dtype: str) -> Callable[[], None]:
 
 
 def make_eval(lib: str, model, s: Shape, dtype: str, mem: int) -> Callable[[], None]:
+    """lib "hf", "txlm" (the plain forward) or "txlm_kv" (CachedEvaluator: memory K/V kept)."""
     gen = torch.Generator().manual_seed(2)
     state: dict = {"mems": hf_empty_mems(model, s.batch) if lib == "hf" else None}
+    runner = CachedEvaluator(model) if lib == "txlm_kv" else None
 
     def step() -> None:
         model.eval()
@@ -211,6 +215,9 @@ def make_eval(lib: str, model, s: Shape, dtype: str, mem: int) -> Callable[[], N
             model.set_lengths(mem_len=mem)
         ids = torch.randint(0, s.vocab, (s.batch, s.tgt_len), generator=gen)
         with torch.no_grad(), autocast(dtype):
+            if runner is not None:
+                runner(ids, labels=ids)
+                return
             out = model(ids, mems=state["mems"], labels=ids)
         state["mems"] = out.mems
 
@@ -358,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     w = Workload(kind, s.batch * s.tgt_len, forward_flops(s, mem))
                     fns = {
                         lib: make_eval(lib, m, s, dtype, mem)
-                        for lib, m in (("hf", hf), ("txlm", tx))
+                        for lib, m in (("hf", hf), ("txlm", tx), ("txlm_kv", tx))
                     }
                 elif kind == "generate":
                     # no MFU: with a K/V cache the work per token is not the forward's
@@ -378,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         peaks.append(matmul_gflops())
         for w, shape, dtype, fns in jobs:
-            order = ["hf", "txlm"] if r % 2 == 0 else ["txlm", "hf"]
+            order = list(fns) if r % 2 == 0 else list(fns)[::-1]
             for lib in order:
                 sec = timed(fns[lib], reps=1)
                 times.setdefault((shape, dtype, w.name, lib), []).append(sec)
@@ -403,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             "speedup": round(med["hf"] / med["txlm"], 2),
             "rounds": len(times[(shape, dtype, w.name, "hf")]),
         }
+        if "txlm_kv" in med:  # evaluation with the memory's keys/values kept
+            row["txlm_kv_tokens_per_s"] = round(w.tokens / med["txlm_kv"], 1)
+            row["speedup_kv"] = round(med["hf"] / med["txlm_kv"], 2)
         if w.flops is not None:
             row["txlm_gflops"] = round(w.flops / med["txlm"] / 1e9, 1)
             row["txlm_mfu"] = round(w.flops / med["txlm"] / 1e9 / peak, 3)
