@@ -45,6 +45,13 @@ def rel_shift(x: Tensor) -> Tensor:
     return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
 
 
+def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask (True: may attend) -> 0 / -inf bias of the same shape, to add to scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
+    )
+
+
 class RelativeAttention(nn.Module):
     """One layer's attention, for every encoding of the paper's Table 6 (see config.AttnType)."""
 
@@ -141,8 +148,7 @@ class RelativeAttention(nn.Module):
         qc = ((q if u is None else q + u[:, None, :]) * self.scale).to(dtype)
         qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
-        mask_bias = torch.zeros(mask.shape, dtype=dtype, device=q.device)
-        mask_bias = mask_bias.masked_fill(~mask, float("-inf"))  # [L, K] or [B, 1, L, K]
+        mask_bias = _additive_mask(mask, dtype)  # [L, K] or [B, 1, L, K]
         if rk is not None and mask.dim() == 2:
             qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
             # rel_shift's view merges (B, H) without a copy; the sum is a new 3-D tensor that
@@ -254,9 +260,10 @@ class RelativeAttention(nn.Module):
         dropout = self.dropatt if self.training else 0.0
         if rk is None:
             return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=dropout)
-        qp = q if v is None else q + v[:, None, :]
-        bias = rel_shift(qp @ rk.transpose(-1, -2)) * self.scale
-        bias = bias.masked_fill(~mask, float("-inf"))
+        # One pass builds the bias: the scale goes onto the queries ([B, H, L, Dh]) and the
+        # mask is added as 0/-inf, instead of a scale pass and a masked_fill pass.
+        qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(k.dtype)
+        bias = rel_shift(qp @ rk.transpose(-1, -2)) + _additive_mask(mask, k.dtype)
         qc = q if u is None else q + u[:, None, :]
         return F.scaled_dot_product_attention(
             qc, k, val, attn_mask=bias, dropout_p=dropout, scale=self.scale
