@@ -191,9 +191,18 @@ def make_train(lib: str, model, s: Shape, dtype: str) -> Callable[[], None]:
         ids = torch.randint(0, s.vocab, (s.batch, s.tgt_len), generator=gen)
         opt.zero_grad(set_to_none=True)
         with autocast(dtype):
-            out = model(ids, mems=state["mems"], labels=ids)
-            # HF shifts labels inside and returns the mean; txlm returns per-token NLL.
-            loss = out.loss if lib == "hf" else out.loss.mean()
+            if lib == "hf" and dtype == "bf16":
+                # HF's loss path fails under bf16 autocast (index_put of bf16 losses into a
+                # float32 buffer): same full log-softmax through its log-prob path instead.
+                out = model(ids, mems=state["mems"])
+                logp = out.prediction_scores[:, :-1].float()
+                loss = -logp.gather(-1, ids[:, 1:, None]).mean()
+            elif lib == "hf":  # HF shifts labels inside and returns the mean
+                out = model(ids, mems=state["mems"], labels=ids)
+                loss = out.loss
+            else:  # txlm: per-token NLL
+                out = model(ids, mems=state["mems"], labels=ids)
+                loss = out.loss.mean()
         loss.backward()
         opt.step()
         state["mems"] = out.mems
