@@ -316,8 +316,8 @@ def peak_mib(fn: Callable[[], None]) -> float:
 
 
 # -- timing ---------------------------------------------------------------------------------
-def matmul_gflops(n: int = 2048, reps: int = 3) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def matmul_gflops(n: int = 2048, reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
     best = math.inf
     for _ in range(reps):
@@ -394,8 +394,11 @@ def main(argv: list[str] | None = None) -> int:
 
     times: dict[tuple[str, str, str, str], list[float]] = {}
     peaks: list[float] = []
+    peaks_bf16: list[float] = []
     for r in range(args.rounds):
         peaks.append(matmul_gflops())
+        if "bf16" in dtypes:
+            peaks_bf16.append(matmul_gflops(dtype=torch.bfloat16))
         for w, shape, dtype, fns in jobs:
             order = list(fns) if r % 2 == 0 else list(fns)[::-1]
             for lib in order:
@@ -409,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             print("time budget reached: stopping rounds", file=sys.stderr)
             break
     peak = statistics.median(peaks)
+    peak_bf16 = statistics.median(peaks_bf16) if peaks_bf16 else None
 
     rows = []
     for w, shape, dtype, fns in jobs:
@@ -427,8 +431,11 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup_kv"] = round(med["hf"] / med["txlm_kv"], 2)
         if w.flops is not None:
             row["txlm_gflops"] = round(w.flops / med["txlm"] / 1e9, 1)
+            # MFU against the fp32 peak (the yardstick); bf16 also against its own
             row["txlm_mfu"] = round(w.flops / med["txlm"] / 1e9 / peak, 3)
             row["hf_mfu"] = round(w.flops / med["hf"] / 1e9 / peak, 3)
+            if dtype == "bf16" and peak_bf16:
+                row["txlm_mfu_bf16_peak"] = round(w.flops / med["txlm"] / 1e9 / peak_bf16, 3)
         if w.name == "generate":
             row["txlm_kv_cache"] = CachedDecoder is not None
         rows.append(row)
@@ -456,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.processor() or platform.machine(),
         "fp32_matmul_peak_gflops": round(peak, 1),
         "fp32_matmul_peak_rounds": [round(p, 1) for p in peaks],
+        "bf16_matmul_peak_gflops": round(peak_bf16, 1) if peak_bf16 else None,
+        "bf16_matmul_peak_rounds": [round(p, 1) for p in peaks_bf16],
         "parity_max_abs_logprob_diff": checks,
         "shapes": {s.name: s.__dict__ for s in shapes},
         "generation": {"mem_len": GEN_MEM, "context": GEN_CONTEXT, "new_tokens": GEN_NEW},
