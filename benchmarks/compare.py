@@ -10,8 +10,9 @@ What is measured, per config and dtype (bf16 = CPU autocast for both libraries):
 - eval_mN   evaluation forward (no_grad, eval mode) of a [B, L] segment with memory N, the
             memory already full, carried from segment to segment;
 - generate  greedy decoding of one row, one token at a time with long memory (mem_len 512,
-            a 256-token context read first, not timed). txlm uses its cached decoder
-            (txlm.generate.CachedDecoder) when that is installed, else its plain forward.
+            a 512-token context read first, not timed, so the memory is full). txlm uses
+            its cached decoder (txlm.generate.CachedDecoder) when installed, else its forward.
+- eval with txlm_kv: the same evaluation through txlm.model.kv_eval.CachedEvaluator.
 Every workload alternates between the two libraries round by round (order flipped each
 round) and reports medians over rounds: the machine is shared and noisy, so only figures
 taken side by side are compared. The fp32 matmul peak (2048^3, same threads) is measured in
@@ -86,7 +87,7 @@ SHAPES = {
     # enwik8-base's layer shape (Table 2: 512, 8x64, 2048) with 4 of its 12 layers.
     "d512": Shape("d512", n_layer=4, d_model=512, n_head=8, d_head=64, d_inner=2048),
 }
-GEN_MEM, GEN_CONTEXT, GEN_NEW = 512, 256, 32
+GEN_MEM, GEN_CONTEXT, GEN_NEW = 512, 512, 32
 
 
 # -- FLOPs ----------------------------------------------------------------------------------
