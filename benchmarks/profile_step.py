@@ -24,6 +24,7 @@ from compare import SHAPES, build_pair, make_eval, make_train
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::baddbmm_"),
+    "fused_attention": ("aten::_scaled_dot_product",),
     "dropout_rng": ("aten::bernoulli_",),
     "softmax": (
         "aten::_softmax",
