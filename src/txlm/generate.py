@@ -205,11 +205,27 @@ class KVCache:
     ) -> None:
         self.mem_len = mem_len
         capacity = mem_len + max(slack, 1)
-        self.kv = torch.zeros(
+        # Uninitialised: only columns [start, end), all written before, are ever read.
+        self.kv = torch.empty(
             (n_layer, 2, batch, n_head, capacity, d_head), device=device, dtype=dtype
         )
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.start = self.end = 0
+        self._views: tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]] | None = None
+
+    def layer_views(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """Per layer: ``kv[n]`` [2, B, H, C, Dh], and keys and values [B H, C, Dh] (heads
+        folded into the batch, for ``bmm``); views, made again only if ``kv`` is replaced."""
+        if self._views is None or self._views[0] is not self.kv:
+            n_layer, _, batch, n_head, capacity, d_head = self.kv.shape
+            flat = self.kv.view(n_layer, 2, batch * n_head, capacity, d_head)
+            self._views = (
+                self.kv,
+                list(self.kv.unbind(0)),
+                [f[0] for f in flat.unbind(0)],
+                [f[1] for f in flat.unbind(0)],
+            )
+        return self._views[1], self._views[2], self._views[3]
 
     @property
     def k(self) -> Tensor:
@@ -259,7 +275,9 @@ class _Decoder:
     def _begin(self, batch: int) -> None:
         raise NotImplementedError
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
+        """Read one context segment; hidden states [B, L, D] (with ``last``, the prompt's
+        final segment, [B, >= 1, D]: only the final position's is used)."""
         raise NotImplementedError
 
     def _step_hidden(self, ids: Tensor) -> Tensor:
@@ -314,8 +332,10 @@ class _Decoder:
 
         self._begin(batch)
         hidden = None
-        for lo, hi in self._segments(width):
-            hidden = self._segment(ids[:, lo:hi], starts[:, lo:hi] if padded else None)
+        bounds = self._segments(width)
+        for i, (lo, hi) in enumerate(bounds):
+            reset = starts[:, lo:hi] if padded else None
+            hidden = self._segment(ids[:, lo:hi], reset, last=i == len(bounds) - 1)
         assert hidden is not None
         return hidden[:, -1]
 
@@ -338,7 +358,7 @@ class UncachedDecoder(_Decoder):
         self.mems: list[Tensor] | None = None
         self.mem_mask: Tensor | None = None
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
         hidden, self.mems, self.mem_mask = self.model.transform(
             ids, self.mems, reset, self.mem_mask
         )
@@ -349,13 +369,16 @@ class UncachedDecoder(_Decoder):
 
 
 def _t(weight: Tensor) -> Tensor:
-    """A [out, in] weight as a contiguous [in, out] copy, for ``x @ W^T`` with one row x.
+    """W^T [in, out] of an nn.Linear weight [out, in], for ``x @ W^T`` with one row x.
 
-    With one row the product is a matrix-vector one bound by reading the weight; on CPU
-    (single thread, oneDNN/MKL) it runs about 3x faster on this layout than on nn.Linear's
-    (10k x 256 output layer: ~0.33 ms instead of ~1.1 ms). The copy is made once per decoder.
+    With one row the product is matrix-vector, bound by reading the weight, and on CPU (one
+    thread, MKL) its speed depends on the layout: when out >= in a contiguous [in, out] copy
+    is 2-3x faster (10k x 256 output layer: ~0.35 ms instead of ~1.1 ms; 1024 x 256: ~50 us
+    instead of ~120 us); when in > out (the second feed-forward layer) the weight as it is,
+    viewed transposed, is faster. The copy is made once per decoder.
     """
-    return weight.detach().t().contiguous()
+    weight = weight.detach()
+    return weight.t().contiguous() if weight.size(0) >= weight.size(1) else weight.t()
 
 
 @dataclass
@@ -459,7 +482,10 @@ class CachedDecoder(_Decoder):
         else:  # shaw: learned rows, clipped into the table like TransformerXL.transform
             limit = min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
             pos = dist.clamp(max=limit)
-        self.tables = [layer.attn.position_keys(pos).to(self.dtype) for layer in self.model.layers]
+        # contiguous [H, span + 2, Dh]: a slice is then one dense block per head
+        self.tables = [
+            layer.attn.position_keys(pos).to(self.dtype).contiguous() for layer in self.model.layers
+        ]
         self.span = span
 
     def _begin(self, batch: int) -> None:
@@ -470,8 +496,8 @@ class CachedDecoder(_Decoder):
         )  # fmt: skip
         self.masked = False  # True once some memory position may be invisible (padding)
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        return self._forward(ids, reset)
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
+        return self._forward(ids, reset, last_only=last)
 
     def scores(self, hidden: Tensor) -> Tensor:
         """Raw logits when the output layer is one full softmax (the log-softmax only shifts
@@ -521,21 +547,21 @@ class CachedDecoder(_Decoder):
         if self.masked:  # left padding somewhere: hide it (the query's own key is valid)
             blocked = ~cache.valid[:, None, lo : e + 1]  # [B, 1, K] over heads
 
-        kv = cache.kv  # [N, 2, B, H, C, Dh]
+        kv, keys_of, values_of = cache.layer_views()
         for n, w in enumerate(self.layers):
             if w.pos_emb is not None:  # "alrfou"
                 h = h + w.pos_emb
             x = F.layer_norm(h, h.shape[-1:], *w.norm1) if self.pre_lnorm else h
             qkv = torch.mm(x, w.qkv_t).view(batch, 3, n_head, d_head)
-            kv[n, :, :, :, e] = qkv[:, 1:].transpose(0, 1)  # this token's key and value
+            kv[n].select(3, e).copy_(qkv[:, 1:].transpose(0, 1))  # this token's key, value
             q = qkv[:, 0]  # [B, H, Dh]
-            keys = kv[n, 0, :, :, lo : e + 1].reshape(bh, nk, d_head)  # views (B, H merge)
-            values = kv[n, 1, :, :, lo : e + 1].reshape(bh, nk, d_head)
+            keys = keys_of[n].narrow(1, lo, nk)  # [B H, K, Dh]
+            values = values_of[n].narrow(1, lo, nk)
             qc = (q if w.u is None else q + w.u).reshape(bh, 1, d_head)
             if self.rel:
                 # (b) + (d): one query at key index e, so key j is at distance e - j; the
                 # table's columns span - (nk - 1) .. span hold distances nk - 1 .. 0.
-                rk = self.tables[n][:, self.span + 1 - nk : self.span + 1]  # [H, K, Dh]
+                rk = self.tables[n].narrow(1, self.span + 1 - nk, nk)  # [H, K, Dh]
                 qp = q.transpose(0, 1)  # [H, B, Dh]
                 if w.v is not None:
                     qp = qp + w.v[:, None]
@@ -565,8 +591,13 @@ class CachedDecoder(_Decoder):
         return h
 
     @torch.no_grad()
-    def _forward(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        """ids [B, L] -> last layer's hidden states [B, L, D]; the cache takes the L positions."""
+    def _forward(self, ids: Tensor, reset: Tensor | None, *, last_only: bool = False) -> Tensor:
+        """ids [B, L] -> last layer's hidden states [B, L, D]; the cache takes the L positions.
+
+        ``last_only``: only the final position's output is wanted (the prompt's last segment):
+        the top layer, whose output no cache holds, then attends and runs its feed-forward
+        for that position alone ([B, 1, D]); its keys and values are still all cached.
+        """
         c, model, cache = self.config, self.model, self.cache
         qlen = ids.size(1)
         h = model.embed(ids)  # [B, L, D]
@@ -605,17 +636,19 @@ class CachedDecoder(_Decoder):
                 v = attn.v if hasattr(attn, "v") else v_shared
             else:
                 u = v = None
-            qc = q if u is None else q + u[:, None, :]
-            scores = qc @ keys.transpose(-1, -2)  # [B, H, L, K] content terms (a) + (c)
+            # Fused attention (as the model's default attn_impl "sdpa"): the [B, H, L, K]
+            # probabilities of a context segment are never materialised.
+            qc = q if u is None else q + u[:, None, :]  # content terms (a) + (c)
+            bias: Tensor = mask
             if self.rel:
                 rk = self.tables[n][:, -(klen + 1) :]  # [H, K + 1, Dh]: distances K-1 .. -1
                 qp = q if v is None else q + v[:, None, :]
-                scores = scores + rel_shift(qp @ rk.transpose(-1, -2))  # (b) + (d)
-            scores = (scores * attn.scale).masked_fill(blocked, float("-inf"))
-            probs = torch.softmax(
-                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
-            ).to(values.dtype)  # half precision normalised in float32, float64 kept
-            out = attn.out((probs @ values).transpose(1, 2).flatten(2))  # [B, L, D]
+                bias = rel_shift(qp @ rk.transpose(-1, -2)) * attn.scale  # (b) + (d)
+                bias = bias.masked_fill(blocked, float("-inf"))
+            if last_only and n == c.n_layer - 1:
+                qc, bias, h = qc[:, :, -1:], bias[..., -1:, :], h[:, -1:]
+            ctx = F.scaled_dot_product_attention(qc, keys, values, attn_mask=bias, scale=attn.scale)
+            out = attn.out(ctx.transpose(1, 2).flatten(2))  # [B, L, D]
             h = h + out if attn.pre_lnorm else attn.norm(h + out)
             h = layer.ff(h)
 
