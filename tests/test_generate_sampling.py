@@ -169,3 +169,13 @@ def test_ties_at_the_k_th_score_are_all_kept() -> None:
     assert top_k_candidates(scores, config) is None  # the full-vocabulary rule decides
     draws = sample(scores.expand(2000, 5), config, torch.Generator().manual_seed(0))
     assert set(draws.tolist()) == {0, 2, 3}
+
+
+def test_the_draw_is_multinomials_for_the_same_generator_state() -> None:
+    """The top-k draw skips torch.multinomial's input checks but not its arithmetic."""
+    from txlm.generate import _draw
+
+    probs = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).softmax(-1)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(50):
+        assert torch.equal(_draw(probs, g1), torch.multinomial(probs, 1, generator=g2))

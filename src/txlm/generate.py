@@ -116,7 +116,7 @@ def sample(
     top = top_k_candidates(scores, config)
     if top is not None:
         probs, ids = top
-        return ids.gather(1, torch.multinomial(probs, 1, generator=generator)).squeeze(1)
+        return ids.gather(1, _draw(probs, generator)).squeeze(1)
     probs = filter_log_probs(scores, config).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
@@ -142,6 +142,17 @@ def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Te
         before = probs.cumsum(dim=-1) - probs
         kept = kept.masked_fill(before >= config.top_p, float("-inf"))
     return kept.softmax(dim=-1), ids[:, :k]
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of [B, k] probabilities -> [B, 1]: ``torch.multinomial(probs, 1)``
+    without its input checks (a dozen small operations; softmax output needs none).
+
+    It is the same computation (ATen draws a single sample as argmax p_i / E_i with E_i
+    exponential, one per candidate), so the same generator state gives the same index.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
 
 
 def _upcast(x: Tensor) -> Tensor:
@@ -398,7 +409,7 @@ class _StepLayer:
     norm1: tuple  # attention LayerNorm: (weight, bias, eps)
     norm2: tuple  # feed-forward LayerNorm
     u: Tensor | None  # [H, Dh] content bias ("xl")
-    v: Tensor | None  # [H, Dh] position bias ("xl")
+    v: Tensor | None  # [H, 1, Dh] position bias ("xl"), shaped for queries [H, B, Dh]
     scale: float
     pos_emb: Tensor | None  # [D] absolute embedding of position 0 ("alrfou")
 
@@ -421,7 +432,7 @@ class _StepLayer:
             norm1=(attn.norm.weight.detach(), attn.norm.bias.detach(), attn.norm.eps),
             norm2=(ff.norm.weight.detach(), ff.norm.bias.detach(), ff.norm.eps),
             u=None if u is None else u.detach(),
-            v=None if v is None else v.detach(),
+            v=None if v is None else v.detach()[:, None],
             scale=attn.scale,
             pos_emb=layer.pos_emb[0].detach() if hasattr(layer, "pos_emb") else None,
         )
@@ -548,10 +559,11 @@ class CachedDecoder(_Decoder):
             blocked = ~cache.valid[:, None, lo : e + 1]  # [B, 1, K] over heads
 
         kv, keys_of, values_of = cache.layer_views()
+        dim = (c.d_model,)  # LayerNorm's normalised shape
         for n, w in enumerate(self.layers):
             if w.pos_emb is not None:  # "alrfou"
                 h = h + w.pos_emb
-            x = F.layer_norm(h, h.shape[-1:], *w.norm1) if self.pre_lnorm else h
+            x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
             qkv = torch.mm(x, w.qkv_t).view(batch, 3, n_head, d_head)
             kv[n].select(3, e).copy_(qkv[:, 1:].transpose(0, 1))  # this token's key, value
             q = qkv[:, 0]  # [B, H, Dh]
@@ -564,7 +576,7 @@ class CachedDecoder(_Decoder):
                 rk = self.tables[n].narrow(1, self.span + 1 - nk, nk)  # [H, K, Dh]
                 qp = q.transpose(0, 1)  # [H, B, Dh]
                 if w.v is not None:
-                    qp = qp + w.v[:, None]
+                    qp = qp + w.v
                 pos = torch.bmm(qp, rk.transpose(1, 2)).transpose(0, 1).reshape(bh, 1, nk)
                 # scale * ((a) + (c)) + scale * ((b) + (d)) in one call
                 scores = torch.baddbmm(
@@ -582,11 +594,11 @@ class CachedDecoder(_Decoder):
             out = torch.mm(torch.bmm(probs, values).view(batch, bh // batch * d_head), w.out_t)
             if self.pre_lnorm:
                 h = h + out
-                x = F.layer_norm(h, h.shape[-1:], *w.norm2)
+                x = torch.layer_norm(h, dim, *w.norm2)
             else:
-                h = x = F.layer_norm(h + out, h.shape[-1:], *w.norm1)
+                h = x = torch.layer_norm(h + out, dim, *w.norm1)
             f = torch.addmm(w.fc2_b, torch.addmm(w.fc1_b, x, w.fc1_t).relu_(), w.fc2_t)
-            h = h + f if self.pre_lnorm else F.layer_norm(h + f, h.shape[-1:], *w.norm2)
+            h = h + f if self.pre_lnorm else torch.layer_norm(h + f, dim, *w.norm2)
         cache.advance(1)
         return h
 
