@@ -171,7 +171,9 @@ def test_model_is_left_in_its_mode_and_unchanged() -> None:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("overrides", [{}, dict(cutoffs=[20, 40], div_val=2)])
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(cutoffs=[20, 40], div_val=2), dict(cutoffs=[20, 40], div_val=1)]
+)
 def test_sampling_scores_are_the_log_probs_up_to_a_constant(overrides: dict) -> None:
     """What generation samples from (logits for a full softmax) normalises to the model's."""
     model = make_model(**overrides)

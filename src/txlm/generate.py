@@ -438,14 +438,47 @@ class _StepLayer:
         )
 
 
-def _plain_head(model: TransformerXL) -> tuple[Tensor | None, Tensor, Tensor] | None:
-    """(projection or None, transposed weight [E, V], bias [V]) of a full-softmax output
-    layer (no cutoffs); None for an adaptive softmax (its log-probs are used as they are)."""
-    sm = model.softmax
-    if sm.n_clusters:
-        return None
-    weight, bias, proj = sm._weights(0)
-    return (None if proj is None else proj.detach(), _t(weight), bias.detach())
+class _OutputLayer:
+    """The model's (adaptive) softmax laid out for one row per sequence (``_t``).
+
+    ``scores`` gives raw logits for a full softmax (the log-softmax only shifts each row and
+    ``sample`` renormalises) and, with cutoffs, the log-probabilities that
+    ``AdaptiveLogSoftmax.log_prob`` computes, by the same formula: head log-softmax over the
+    shortlist and one logit per tail cluster, plus each cluster's own log-softmax.
+    """
+
+    def __init__(self, softmax: nn.Module) -> None:
+        self.n_clusters, self.shortlist, self.bounds = (
+            softmax.n_clusters, softmax.shortlist, softmax.bounds,
+        )  # fmt: skip
+        self.clusters: list[tuple[Tensor | None, Tensor, Tensor]] = []  # (proj, W^T, bias)
+        for i in range(len(self.bounds)):
+            weight, bias, proj = softmax._weights(i)
+            if i == 0 and self.n_clusters:  # the head also scores the tail clusters
+                weight = torch.cat([weight, softmax.cluster_weight], dim=0)
+                bias = torch.cat([bias, softmax.cluster_bias], dim=0)
+            proj = None if proj is None else proj.detach()
+            self.clusters.append((proj, _t(weight), bias.detach()))
+
+    def _logits(self, i: int, hidden: Tensor) -> Tensor:
+        proj, weight_t, bias = self.clusters[i]
+        if proj is not None:
+            hidden = hidden @ proj  # [B, P] @ [P, E_i]
+        return torch.addmm(bias, hidden, weight_t)
+
+    def scores(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] -> [B, V]."""
+        head = self._logits(0, hidden)
+        if not self.n_clusters:
+            return head
+        head = F.log_softmax(_upcast(head), dim=-1)
+        out = head.new_empty(hidden.size(0), self.bounds[-1][1])
+        out[:, : self.shortlist] = head[:, : self.shortlist]
+        for i in range(1, self.n_clusters + 1):
+            lo, hi = self.bounds[i]
+            tail = F.log_softmax(_upcast(self._logits(i, hidden)), dim=-1)
+            out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
+        return out
 
 
 class CachedDecoder(_Decoder):
@@ -474,7 +507,7 @@ class CachedDecoder(_Decoder):
         if c.attn_type == "vaswani":
             self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(self.dtype)
         self.layers = [_StepLayer.of(layer, model) for layer in model.layers]
-        self.head = _plain_head(model)
+        self.head = _OutputLayer(model.softmax)
 
     @torch.no_grad()
     def _build_tables(self, span: int) -> None:
@@ -511,14 +544,9 @@ class CachedDecoder(_Decoder):
         return self._forward(ids, reset, last_only=last)
 
     def scores(self, hidden: Tensor) -> Tensor:
-        """Raw logits when the output layer is one full softmax (the log-softmax only shifts
-        each row; ``sample`` renormalises); the adaptive softmax's log-probs otherwise."""
-        if self.head is None:
-            return self.model.softmax.log_prob(hidden)
-        proj, weight_t, bias = self.head
-        if proj is not None:
-            hidden = hidden @ proj
-        return torch.addmm(bias, hidden, weight_t)
+        """Raw logits for a full softmax, log-probabilities for an adaptive one (see
+        ``_OutputLayer``): what ``sample`` needs, without a log-softmax over the vocabulary."""
+        return self.head.scores(hidden)
 
     def _step_hidden(self, ids: Tensor) -> Tensor:
         c = self.config
