@@ -297,12 +297,16 @@ class _Decoder:
 
     def scores(self, hidden: Tensor) -> Tensor:
         """[B, D] -> [B, V] sampling scores: log-probabilities up to a constant per row."""
+        return self.log_probs(hidden)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """[B, D] -> [B, V] next-token log-probabilities."""
         return self.model.softmax.log_prob(hidden)
 
     @torch.no_grad()
     def step(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
-        return self.model.softmax.log_prob(self._step_hidden(ids))
+        return self.log_probs(self._step_hidden(ids))
 
     @torch.no_grad()
     def step_scores(self, ids: Tensor) -> Tensor:
@@ -312,7 +316,7 @@ class _Decoder:
     @torch.no_grad()
     def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
         """Read the prompts (left-padded, end-aligned segments); [B, V] next-token log-probs."""
-        return self.model.softmax.log_prob(self._read(prompts, start_id))
+        return self.log_probs(self._read(prompts, start_id))
 
     @torch.no_grad()
     def prefill_scores(
@@ -384,12 +388,12 @@ def _t(weight: Tensor) -> Tensor:
 
     With one row the product is matrix-vector, bound by reading the weight, and on CPU (one
     thread, MKL) its speed depends on the layout: when out >= in a contiguous [in, out] copy
-    is 2-3x faster (10k x 256 output layer: ~0.35 ms instead of ~1.1 ms; 1024 x 256: ~50 us
-    instead of ~120 us); when in > out (the second feed-forward layer) the weight as it is,
-    viewed transposed, is faster. The copy is made once per decoder.
+    is 2-3x faster (10k x 256 output layer: ~0.17-0.35 ms instead of ~0.3-1.1 ms; 1024 x 256:
+    ~50 us instead of ~120 us); when in > out (the second feed-forward layer) the weight as it
+    is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder.
     """
     weight = weight.detach()
-    return weight.t().contiguous() if weight.size(0) >= weight.size(1) else weight.t()
+    return weight.t().contiguous() if weight.size(0) > weight.size(1) else weight.t()
 
 
 @dataclass
@@ -466,6 +470,12 @@ class _OutputLayer:
             hidden = hidden @ proj  # [B, P] @ [P, E_i]
         return torch.addmm(bias, hidden, weight_t)
 
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] -> log-probabilities [B, V] (float32 at least)."""
+        if self.n_clusters:
+            return self.scores(hidden)
+        return F.log_softmax(_upcast(self._logits(0, hidden)), dim=-1)
+
     def scores(self, hidden: Tensor) -> Tensor:
         """hidden [B, D] -> [B, V]."""
         head = self._logits(0, hidden)
@@ -484,11 +494,17 @@ class _OutputLayer:
 class CachedDecoder(_Decoder):
     """Incremental decoder: per-layer memory keys/values cached, position keys precomputed.
 
-    Every segment, the context's and each one-token step alike, runs ``_forward``: it projects
-    only the new positions, appends their keys/values to the cache and attends over the cached
-    window plus themselves. The mask is the model's (``attention_mask``: causal, same_length,
-    document starts); the position keys are sliced from a per-layer table, so no step
-    recomputes W_kR R. The layers' own weights and modules are used throughout.
+    Every context segment runs ``_forward``: it projects only the new positions, appends their
+    keys/values to the cache and attends over the cached window plus themselves. The mask is
+    the model's (``attention_mask``: causal, same_length, document starts); the position keys
+    are sliced from a per-layer table, so no step recomputes W_kR R. Each generated token runs
+    ``_one_token``, the same computation specialised to a single query.
+
+    Speed at batch 1 (small model, one CPU thread): a step is a chain of matrix-vector
+    products bound by reading the weights (~24 MB for 4 x 256 layers and a 10k softmax), plus
+    per-operation overhead. So the step reads each weight once in the layout that a one-row
+    product streams fastest (``_t``), issues ~30 operations per layer and no mask, and
+    sampling draws among the top-k candidates only (``top_k_candidates``, ``_draw``).
     """
 
     def __init__(self, model: TransformerXL) -> None:
@@ -547,6 +563,9 @@ class CachedDecoder(_Decoder):
         """Raw logits for a full softmax, log-probabilities for an adaptive one (see
         ``_OutputLayer``): what ``sample`` needs, without a log-softmax over the vocabulary."""
         return self.head.scores(hidden)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        return self.head.log_probs(hidden)
 
     def _step_hidden(self, ids: Tensor) -> Tensor:
         c = self.config
