@@ -183,3 +183,15 @@ def test_sampling_scores_are_the_log_probs_up_to_a_constant(overrides: dict) -> 
     rows += [dec.step_scores(torch.tensor([t]))[0] for t in cont[:-1]]
     got = torch.stack(rows).log_softmax(-1)
     torch.testing.assert_close(got, reference_log_probs(model, prompt, cont), atol=ATOL, rtol=0)
+
+
+def test_results_are_ordinary_tensors() -> None:
+    """The cached decoder runs in inference mode; what it hands out may still enter autograd."""
+    model = make_model()
+    dec = CachedDecoder(model)
+    out = [dec.prefill([[1, 2, 3]]), dec.prefill_scores([[1, 2, 3]])]
+    out += [dec.step(torch.tensor([4])), dec.step_scores(torch.tensor([5]))]
+    assert not any(t.is_inference() for t in out)
+    weight = torch.ones(64, requires_grad=True)
+    (out[2][0] * weight).sum().backward()  # saving it for backward is allowed
+    assert torch.equal(weight.grad, out[2][0])
