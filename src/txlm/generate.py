@@ -303,10 +303,10 @@ class _Decoder:
         """[B, D] -> [B, V] next-token log-probabilities."""
         return self.model.softmax.log_prob(hidden)
 
-    def _run(self, fn: Callable[..., Tensor], *args: object) -> Tensor:
+    def _run(self, fn: Callable[[], Tensor]) -> Tensor:
         """Run a decoder computation without autograd."""
         with torch.no_grad():
-            return fn(*args)
+            return fn()
 
     def step(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
@@ -388,7 +388,7 @@ def _t(weight: Tensor) -> Tensor:
     """W^T [in, out] of an nn.Linear weight [out, in], for ``x @ W^T`` with one row x.
 
     With one row the product is matrix-vector, bound by reading the weight, and on CPU (one
-    thread, MKL) its speed depends on the layout: when out >= in a contiguous [in, out] copy
+    thread, MKL) its speed depends on the layout: when out > in a contiguous [in, out] copy
     is 2-3x faster (10k x 256 output layer: ~0.17-0.35 ms instead of ~0.3-1.1 ms; 1024 x 256:
     ~50 us instead of ~120 us); when in > out (the second feed-forward layer) the weight as it
     is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder.
@@ -561,13 +561,13 @@ class CachedDecoder(_Decoder):
     def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
         return self._forward(ids, reset, last_only=last)
 
-    def _run(self, fn: Callable[..., Tensor], *args: object) -> Tensor:
+    def _run(self, fn: Callable[[], Tensor]) -> Tensor:
         """Run a decoder computation in inference mode: no autograd bookkeeping at all
         (version counters, views), which at ~150 small operations a step is measurable
         (~5-10% of a step of the small model). The cache is built and only ever written in
         this mode; the result is copied out so that callers get an ordinary tensor."""
         with torch.inference_mode():
-            out = fn(*args)
+            out = fn()
         return out.clone()
 
     def scores(self, hidden: Tensor) -> Tensor:
@@ -648,7 +648,7 @@ class CachedDecoder(_Decoder):
                 probs = torch.softmax(scores, dim=-1)
             else:  # half precision normalised in float32, as the model does
                 probs = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(h.dtype)
-            out = torch.mm(torch.bmm(probs, values).view(batch, bh // batch * d_head), w.out_t)
+            out = torch.mm(torch.bmm(probs, values).view(batch, n_head * d_head), w.out_t)
             if self.pre_lnorm:
                 h = h + out
                 x = torch.layer_norm(h, dim, *w.norm2)
