@@ -173,27 +173,19 @@ def test_score_file_reports_bpc(char_ckpt, tmp_path) -> None:
     assert res["bpc"] == pytest.approx(float(-lp.double().mean()) / 0.6931471805599453)
 
 
-def test_eval_file_command_helper(char_ckpt, tmp_path, capsys) -> None:
-    """What ``txlm eval CKPT --file F`` runs (txlm.commands.eval_file)."""
-    import argparse
-
-    from txlm.commands import eval_file
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("checkpoint")
-    parser.add_argument("--tgt-len", type=int)
-    parser.add_argument("--mem-len", type=int)
-    parser.add_argument("--json", action="store_true")
-    eval_file.add_arguments(parser)
+def test_eval_file_through_the_cli(char_ckpt, tmp_path) -> None:
+    """``txlm eval CKPT --file F`` scores any text file with memory carried."""
     f = tmp_path / "t.txt"
     f.write_text("ROMEO: a cat sat.\n" * 5)
-    args = parser.parse_args([str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json"])
-    assert eval_file.run(args) == 0
-    out = json.loads(capsys.readouterr().out)
+    result = _cli("eval", str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
     assert out["tokens"] == 89 and out["tgt_len"] == 8 and out["metric"] == "bpc"
-    args = parser.parse_args([str(char_ckpt), "--file", str(tmp_path / "none.txt")])
-    with pytest.raises(txlm.TxlmError, match="does not exist"):
-        eval_file.run(args)
+    res = score_file(char_ckpt, f, tgt_len=8)
+    assert out["bpc"] == pytest.approx(res["bpc"])
+    missing = _cli("eval", str(char_ckpt), "--file", str(tmp_path / "none.txt"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+    assert missing.stderr.count("\n") == 1
 
 
 def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:

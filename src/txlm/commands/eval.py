@@ -1,0 +1,141 @@
+"""``txlm eval CKPT``: stream a split through a checkpoint with memory, report the metric.
+
+The split is cut into --batch-size contiguous rows (1: one stream, memory empty only at its
+very start; default: the batch size the run evaluated with, so the numbers agree with the
+run's); each row carries its memory across segments. --mem-len may exceed the
+training memory: the relative encoding has no absolute positions to run out of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from txlm.commands import eval_file
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate a checkpoint on a split (loss, bpc or perplexity, tokens/s)",
+        description="Evaluate a checkpoint on its dataset's split, memory carried across segments.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (e.g. runs/x/best)")
+    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    p.add_argument(
+        "--tgt-len", type=int, default=None, help="segment length (default: preset's eval)"
+    )
+    p.add_argument(
+        "--mem-len", type=int, default=None, help="memory length (default: preset's eval)"
+    )
+    p.add_argument("--clamp-len", type=int, default=None, help="clamp relative distances (-1: off)")
+    p.add_argument(
+        "--same-length", action=argparse.BooleanOptionalAction, default=None,
+        help="every query sees the same number of keys (default: preset's eval)",
+    )  # fmt: skip
+    p.add_argument(
+        "--batch-size", type=int, default=None,
+        help="contiguous rows, each with memory empty at its start "
+        "(default: the run's eval.batch_size, else 1)",
+    )  # fmt: skip
+    p.add_argument("--max-steps", type=int, default=None, help="stop after N segments")
+    p.add_argument("--dataset", default=None, help="dataset name (default: the training one)")
+    p.add_argument(
+        "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    eval_file.add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _positive(name: str, value: int | None, minimum: int = 1) -> None:
+    from txlm.errors import ConfigError
+
+    if value is not None and value < minimum:
+        raise ConfigError(f"--{name} must be >= {minimum}, got {value}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.file is not None:  # any text file instead of a prepared split
+        return eval_file.run(args)
+    import torch
+
+    from txlm import checkpoint
+    from txlm.data import default_data_dir, load_prepared, prepare_dataset
+    from txlm.errors import CheckpointError, ConfigError
+    from txlm.evaluate import evaluate_tokens
+
+    _positive("tgt-len", args.tgt_len)
+    _positive("mem-len", args.mem_len, 0)
+    _positive("batch-size", args.batch_size)
+    _positive("max-steps", args.max_steps)
+    if args.threads is not None:
+        _positive("threads", args.threads)
+        torch.set_num_threads(args.threads)
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no GPU is available")
+    if args.precision == "fp16" and not device.startswith("cuda"):
+        raise ConfigError("--precision fp16 needs a GPU; use bf16 on CPU")
+
+    ckpt = checkpoint.resolve(args.checkpoint)
+    saved = checkpoint.read_config(ckpt)
+    train = saved.get("train") or {}
+    data = train.get("data") or {}
+    defaults = train.get("eval") or {}
+    dataset = args.dataset or data.get("dataset")
+    if not dataset:
+        raise CheckpointError(f"{ckpt} does not name its dataset: pass --dataset")
+    data_dir = args.data_dir or data.get("data_dir") or default_data_dir()
+    show = not args.no_progress and not args.json and sys.stderr.isatty()
+    corpus = load_prepared(
+        prepare_dataset(dataset, data_dir, level=data.get("level"), progress=show)
+    )
+    fingerprint = saved.get("vocab_fingerprint")
+    if fingerprint is None and (ckpt / checkpoint.VOCAB_FILE).is_file():
+        from txlm.data import Vocab
+
+        fingerprint = Vocab.load(ckpt / checkpoint.VOCAB_FILE).fingerprint
+    if fingerprint != corpus.vocab.fingerprint:
+        raise CheckpointError(
+            f"{ckpt} was trained on another vocabulary (fingerprint {fingerprint}) than "
+            f"{corpus.path} ({corpus.vocab.fingerprint})"
+        )
+    model = checkpoint.load(ckpt, device=device)
+
+    def pick(flag, key):
+        return flag if flag is not None else defaults.get(key)
+
+    result = evaluate_tokens(
+        model,
+        corpus.split(args.split),
+        batch_size=pick(args.batch_size, "batch_size") or 1,
+        tgt_len=pick(args.tgt_len, "eval_tgt_len"),
+        mem_len=pick(args.mem_len, "eval_mem_len"),
+        clamp_len=pick(args.clamp_len, "eval_clamp_len"),
+        same_length=pick(args.same_length, "same_length"),
+        max_steps=args.max_steps,
+        precision=args.precision,
+        metric=corpus.metric,
+        progress=show,
+        desc=args.split,
+    )
+    result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        m = corpus.metric
+        print(
+            f"{args.split}: loss {result['loss']:.4f}, {m} {result[m]:.4f} over "
+            f"{result['tokens']:,} tokens (tgt_len {result['tgt_len']}, mem_len "
+            f"{result['mem_len']}, clamp_len {result['clamp_len']}, same_length "
+            f"{result['same_length']}), {result['tokens_per_s']:.0f} tokens/s"
+        )
+    return 0

@@ -1,0 +1,80 @@
+"""``txlm train``: train a model (one process, or DDP under torchrun) and evaluate it.
+
+txlm train [--preset P] [--config F.yaml ...] [--set key=value ...] [--out DIR]
+txlm train --resume runs/x/last [--set optim.max_steps=N ...]
+torchrun --nproc_per_node 2 -m txlm train --preset debug ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a model (default: shakespeare-char on the bundled corpus)",
+        description="Train, validate, checkpoint (out/last, out/best), then evaluate on test "
+        "and print a sample. Configuration: preset -> --config YAML files -> --set overrides.",
+    )
+    p.add_argument(
+        "--preset", default=None, help="model + training preset (default shakespeare-char)"
+    )
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="F.yaml",
+        help="YAML overrides (repeatable)",
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted overrides, e.g. optim.lr=1e-3 model.n_layer=2 data.batch_size=8",
+    )
+    p.add_argument("--out", default=None, help="output directory (default runs/<preset>)")
+    p.add_argument(
+        "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
+    )
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from txlm import checkpoint
+    from txlm.errors import CheckpointError
+    from txlm.train_config import TrainConfig, resolve
+
+    base = None
+    resume = None
+    if args.resume:
+        resume = checkpoint.resolve(args.resume)
+        saved = checkpoint.read_config(resume)
+        if "train" not in saved:
+            raise CheckpointError(f"{resume} holds no training configuration: cannot resume it")
+        base = TrainConfig.from_dict(saved["train"])
+        if args.preset:
+            raise CheckpointError("--resume takes the checkpoint's configuration; drop --preset")
+    config = resolve(args.preset, args.config, args.sets, base=base)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    out = args.out or config.run.out_dir
+    if out is None:
+        out = str(Path(args.resume).parent) if args.resume else f"runs/{config.preset}"
+    config.run.out_dir = out
+
+    from txlm.train import Trainer
+
+    trainer = Trainer(config, out, resume=resume, echo=not args.json)
+    summary = trainer.fit()
+    if args.json and trainer.dist.is_main:
+        print(json.dumps(summary))
+    return int(summary.get("exit_code", 0))

