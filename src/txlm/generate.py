@@ -523,6 +523,9 @@ class CachedDecoder(_Decoder):
         self.abs_pos = None
         if c.attn_type == "vaswani":
             self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(self.dtype)
+        emb = model.embed
+        plain = emb.div_val == 1 and not len(emb.projs)
+        self.embed_weight = emb.layers[0].weight.detach() if plain else None
         with torch.no_grad():  # copies of the weights, outside any autograd graph
             self.layers = [_StepLayer.of(layer, model) for layer in model.layers]
             self.head = _OutputLayer(model.softmax)
@@ -597,7 +600,10 @@ class CachedDecoder(_Decoder):
         c, cache = self.config, self.cache
         batch, n_head, d_head = ids.size(0), c.n_head, c.d_head
         bh = batch * n_head
-        h = self.model.embed(ids[:, None]).view(batch, -1)  # [B, D]
+        if self.embed_weight is not None:  # the module's arithmetic without its call overhead
+            h = F.embedding(ids, self.embed_weight) * self.model.embed.scale  # [B, D]
+        else:  # adaptive input embeddings
+            h = self.model.embed(ids[:, None]).view(batch, -1)
         if self.abs_pos is not None:  # "vaswani": the one token is at position 0
             h = h + self.abs_pos
 
