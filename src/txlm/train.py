@@ -177,7 +177,6 @@ def _join_masks(masks: list[Tensor | None], mems: list[Tensor], rows: list[int])
 
 
 # -- the sampler used at the end of a run -------------------------------------------------
-@torch.no_grad()
 def sample_text(
     model: TransformerXL,
     vocab: Any,
@@ -188,44 +187,24 @@ def sample_text(
     seed: int = 0,
     mem_len: int | None = None,
 ) -> str:
-    """Top-k sampling (paper App. E) that carries memory: each new token is one segment.
+    """Top-k sampling (paper App. E) from the generation engine (``txlm.generate``), which
+    reads the prompt in segments and carries memory; ``mem_len`` overrides the model's."""
+    from txlm.generate import generate
 
-    A small stand-in for the generation engine (``txlm generate``); swap freely.
-    """
-    device = next(model.parameters()).device
     try:
         ids = [int(i) for i in vocab.encode(prompt)] if prompt else []
     except TxlmError:  # a prompt the vocabulary cannot spell: sample unconditioned
         ids, prompt = [], ""
-    if not ids:
-        ids = [0]
-    saved, was_training = model.config, model.training
-    model.eval()
+    saved = model.config
     model.set_lengths(mem_len=mem_len)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
     try:
-        mems, mask = None, None
-        seg = max(1, model.config.tgt_len)
-        for lo in range(0, len(ids) - 1, seg):  # the prompt but its last token
-            x = torch.tensor([ids[lo : min(lo + seg, len(ids) - 1)]], device=device)
-            out = model.transform(x, mems, None, mask)
-            mems, mask = out[1], out[2]
-        last = ids[-1]
-        new: list[int] = []
-        for _ in range(n_tokens):
-            out = model(torch.tensor([[last]], device=device), mems=mems, mem_mask=mask)
-            mems, mask = out.mems, out.mem_mask
-            assert out.log_probs is not None
-            logp = out.log_probs[0, -1].float().cpu()
-            k = min(top_k, logp.numel())
-            top, idx = logp.topk(k)
-            choice = torch.multinomial(top.softmax(-1), 1, generator=generator)
-            last = int(idx[choice])
-            new.append(last)
+        start_id = None if ids else (vocab.eos_id if vocab.eos_id is not None else 0)
+        new = generate(
+            model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id
+        )
     finally:
         model.config = saved
-        model.train(was_training)
-    return vocab.decode(ids + new) if prompt else vocab.decode(new)
+    return vocab.decode(ids + list(new))
 
 
 # -- the trainer --------------------------------------------------------------------------
