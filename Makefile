@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# txlm train ends with the test evaluation (the preset's evaluation lengths) and a sample;
+# the last line shows generation from the saved checkpoint, as a user would run it.
 run: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
 	$(BIN)/txlm train --out runs/shakespeare-char
-	$(BIN)/txlm eval runs/shakespeare-char/best --split test
 	$(BIN)/txlm generate runs/shakespeare-char/best --prompt "ROMEO:" --max-new-tokens 300 --seed 0
 
 test: $(STAMP)

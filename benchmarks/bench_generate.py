@@ -131,13 +131,13 @@ def time_txlm(model: TransformerXL, prompt: list[int], new: int, seed: int, cach
 def step_ms(model: TransformerXL, prompt: list[int], steps: int, cache: bool) -> float:
     """Steady-state milliseconds per decoding step (memory already full)."""
     dec = CachedDecoder(model) if cache else UncachedDecoder(model)
-    logp = dec.prefill([prompt])
+    logp = dec.prefill_scores([prompt])
     cfg = SamplingConfig()
     gen = torch.Generator().manual_seed(0)
     tok = sample(logp, cfg, gen)
     t = time.perf_counter()
     for _ in range(steps):
-        tok = sample(dec.step(tok), cfg, gen)
+        tok = sample(dec.step_scores(tok), cfg, gen)  # what generation runs
     return (time.perf_counter() - t) / steps * 1e3
 
 

@@ -79,6 +79,9 @@ CONFIGS = {
     "untie_r+math": (dict(untie_r=True, attn_impl="math"), 100),
     "shaw": (dict(attn_type="shaw", n_positions=40), 100),
     "adaptive": (dict(cutoffs=[20, 40], div_val=2), 100),
+    "vaswani": (dict(attn_type="vaswani"), 60),
+    "alrfou": (dict(attn_type="alrfou", n_positions=40), 60),
+    "pre_lnorm+same_length": (dict(pre_lnorm=True, same_length=True), 60),
 }
 
 
@@ -165,3 +168,30 @@ def test_model_is_left_in_its_mode_and_unchanged() -> None:
     generate(model, [1, 2, 3], max_new_tokens=5, seed=0)
     assert model.training
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "overrides", [{}, dict(cutoffs=[20, 40], div_val=2), dict(cutoffs=[20, 40], div_val=1)]
+)
+def test_sampling_scores_are_the_log_probs_up_to_a_constant(overrides: dict) -> None:
+    """What generation samples from (logits for a full softmax) normalises to the model's."""
+    model = make_model(**overrides)
+    prompt, cont = list(range(1, 14)), [5, 9, 2, 40, 7, 7, 1, 30]
+    dec = CachedDecoder(model)
+    rows = [dec.prefill_scores([prompt])[0]]
+    rows += [dec.step_scores(torch.tensor([t]))[0] for t in cont[:-1]]
+    got = torch.stack(rows).log_softmax(-1)
+    torch.testing.assert_close(got, reference_log_probs(model, prompt, cont), atol=ATOL, rtol=0)
+
+
+def test_results_are_ordinary_tensors() -> None:
+    """The cached decoder runs in inference mode; what it hands out may still enter autograd."""
+    model = make_model()
+    dec = CachedDecoder(model)
+    out = [dec.prefill([[1, 2, 3]]), dec.prefill_scores([[1, 2, 3]])]
+    out += [dec.step(torch.tensor([4])), dec.step_scores(torch.tensor([5]))]
+    assert not any(t.is_inference() for t in out)
+    weight = torch.ones(64, requires_grad=True)
+    (out[2][0] * weight).sum().backward()  # saving it for backward is allowed
+    assert torch.equal(weight.grad, out[2][0])

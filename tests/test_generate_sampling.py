@@ -133,3 +133,49 @@ def test_empty_prompt_starts_from_the_start_token() -> None:
 def test_out_of_range_ids_are_refused() -> None:
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         generate(_model(), [1, 64], max_new_tokens=2)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        SamplingConfig(top_k=5),
+        SamplingConfig(top_k=5, temperature=0.7),
+        SamplingConfig(top_k=8, top_p=0.6, temperature=1.3),
+        SamplingConfig(top_k=1),
+    ],
+)
+def test_top_k_candidates_are_the_filtered_distribution(config: SamplingConfig) -> None:
+    """The fast draw over k candidates uses exactly filter_log_probs' distribution."""
+    from txlm.generate import top_k_candidates
+
+    scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
+    top = top_k_candidates(scores, config)
+    assert top is not None
+    probs, ids = top
+    got = torch.zeros(3, 50).scatter(1, ids, probs)
+    want = filter_log_probs(scores.log_softmax(-1), config).softmax(-1)
+    torch.testing.assert_close(got, want)
+    # logits and log-probabilities give the same candidates (only differences matter)
+    probs2, ids2 = top_k_candidates(scores.log_softmax(-1), config)
+    assert torch.equal(ids, ids2)
+    torch.testing.assert_close(probs, probs2)
+
+
+def test_ties_at_the_k_th_score_are_all_kept() -> None:
+    from txlm.generate import top_k_candidates
+
+    scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])  # top-2: 3 and a tie at 2
+    config = SamplingConfig(top_k=2)
+    assert top_k_candidates(scores, config) is None  # the full-vocabulary rule decides
+    draws = sample(scores.expand(2000, 5), config, torch.Generator().manual_seed(0))
+    assert set(draws.tolist()) == {0, 2, 3}
+
+
+def test_the_draw_is_multinomials_for_the_same_generator_state() -> None:
+    """The top-k draw skips torch.multinomial's input checks but not its arithmetic."""
+    from txlm.generate import _draw
+
+    probs = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).softmax(-1)
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(50):
+        assert torch.equal(_draw(probs, g1), torch.multinomial(probs, 1, generator=g2))

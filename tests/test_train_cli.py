@@ -99,6 +99,14 @@ def test_eval_cli_matches_training_and_takes_longer_memory(run, monkeypatch, cap
     assert long["same_length"] is True and long["split"] == "valid"
     assert long["tokens"] == len(split_tokens(root, "text-tiny", "valid")) - 1
     assert np.isfinite(long["bpc"]) and long["tokens_per_s"] > 0
+    # The key/value cache gives the same figure (same products, blocked differently).
+    code, stdout, err = _main(
+        ["eval", str(out / "best"), "--json", "--split", "valid", "--mem-len", "64",
+         "--tgt-len", "8", "--clamp-len", "40", "--same-length", "--kv-cache"],
+        root, monkeypatch, capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert json.loads(stdout)["loss"] == pytest.approx(long["loss"], abs=1e-5)
 
 
 def test_eval_refuses_another_vocabulary_and_bad_input(run, tmp_path, monkeypatch, capsys):

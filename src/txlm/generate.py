@@ -36,12 +36,12 @@ in the paper's word-level corpora every line ends with it, so it is what precede
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.model.attention import rel_shift
@@ -104,13 +104,60 @@ def filter_log_probs(log_probs: Tensor, config: SamplingConfig) -> Tensor:
 
 
 def sample(
-    log_probs: Tensor, config: SamplingConfig, generator: torch.Generator | None = None
+    scores: Tensor, config: SamplingConfig, generator: torch.Generator | None = None
 ) -> Tensor:
-    """Draw one token per row: [B, V] log-probabilities -> [B] ids."""
+    """Draw one token per row: [B, V] scores -> [B] ids.
+
+    ``scores`` are log-probabilities or raw logits: only their differences within a row
+    matter (the kept mass is renormalised), so the decoder can skip the log-softmax.
+    """
     if config.greedy:
-        return log_probs.argmax(dim=-1)
-    probs = filter_log_probs(log_probs, config).softmax(dim=-1)
+        return scores.argmax(dim=-1)
+    top = top_k_candidates(scores, config)
+    if top is not None:
+        probs, ids = top
+        return ids.gather(1, _draw(probs, generator)).squeeze(1)
+    probs = filter_log_probs(scores, config).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
+def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Tensor] | None:
+    """[B, V] scores -> (probabilities [B, k], their token ids [B, k]), or None.
+
+    The distribution of ``filter_log_probs`` restricted to the k tokens it can keep: one
+    ``topk`` and a softmax over k values instead of masking and normalising the whole
+    vocabulary, and a draw over k candidates (``multinomial`` validates its input and draws
+    an exponential per candidate: ~0.5 ms for 10k). None when there is no top-k cut, or when
+    the k-th largest score ties with the next (that rule then keeps more than k tokens).
+    """
+    k, vocab = config.top_k, scores.size(-1)
+    if k is None or k >= vocab:
+        return None
+    vals, ids = _upcast(scores).topk(k + 1, dim=-1)  # [B, k + 1], largest first
+    if bool((vals[:, k] == vals[:, k - 1]).any()):
+        return None
+    kept = vals[:, :k] / config.temperature
+    if config.top_p is not None and config.top_p < 1.0:
+        probs = kept.softmax(dim=-1)  # already sorted: the nucleus rule of filter_log_probs
+        before = probs.cumsum(dim=-1) - probs
+        kept = kept.masked_fill(before >= config.top_p, float("-inf"))
+    return kept.softmax(dim=-1), ids[:, :k]
+
+
+def _draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of [B, k] probabilities -> [B, 1]: ``torch.multinomial(probs, 1)``
+    without its input checks (a dozen small operations; softmax output needs none).
+
+    It is the same computation (ATen draws a single sample as argmax p_i / E_i with E_i
+    exponential, one per candidate), so the same generator state gives the same index.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    """Half-precision scores are compared and normalised in float32; others stay."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -146,11 +193,13 @@ def _check_ids(rows: list[list[int]], vocab_size: int) -> None:
 class KVCache:
     """Keys and values of the memory positions of every layer, in one sliding buffer.
 
-    ``k``, ``v``: [N, B, H, C, Dh]; the live window is columns [start, end), oldest first, at
-    most mem_len wide. ``valid`` [B, C]: whether a real token of the current document may
-    attend to that position (False for left padding). New positions are written at ``end``;
-    when the buffer is full the window is copied back to column 0 (amortised O(D) per token,
-    instead of a concatenation of the whole memory per token).
+    ``kv``: [N, 2, B, H, C, Dh] (keys, then values); ``k`` and ``v`` are its [N, B, H, C, Dh]
+    halves. The live window is columns [start, end), oldest first, at most mem_len wide.
+    ``valid`` [B, C]: whether a real token of the current document may attend to that
+    position (False for left padding). New positions are written at ``end``; when the buffer
+    is full the window is copied back to column 0 (amortised O(D) per token, instead of a
+    concatenation of the whole memory per token). Keys and values share one tensor so that a
+    decoding step stores both with a single copy per layer.
     """
 
     def __init__(
@@ -167,11 +216,35 @@ class KVCache:
     ) -> None:
         self.mem_len = mem_len
         capacity = mem_len + max(slack, 1)
-        shape = (n_layer, batch, n_head, capacity, d_head)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # Uninitialised: only columns [start, end), all written before, are ever read.
+        self.kv = torch.empty(
+            (n_layer, 2, batch, n_head, capacity, d_head), device=device, dtype=dtype
+        )
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.start = self.end = 0
+        self._views: tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]] | None = None
+
+    def layer_views(self) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """Per layer: ``kv[n]`` [2, B, H, C, Dh], and keys and values [B H, C, Dh] (heads
+        folded into the batch, for ``bmm``); views, made again only if ``kv`` is replaced."""
+        if self._views is None or self._views[0] is not self.kv:
+            n_layer, _, batch, n_head, capacity, d_head = self.kv.shape
+            flat = self.kv.view(n_layer, 2, batch * n_head, capacity, d_head)
+            self._views = (
+                self.kv,
+                list(self.kv.unbind(0)),
+                [f[0] for f in flat.unbind(0)],
+                [f[1] for f in flat.unbind(0)],
+            )
+        return self._views[1], self._views[2], self._views[3]
+
+    @property
+    def k(self) -> Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        return self.kv[:, 1]
 
     @property
     def length(self) -> int:
@@ -179,19 +252,16 @@ class KVCache:
 
     def reserve(self, n: int) -> None:
         """Make room for ``n`` new columns after ``end``."""
-        capacity = self.k.size(3)
+        capacity = self.kv.size(4)
         if self.end + n <= capacity:
             return
         m = self.length
         if m + n > capacity:  # grow (only when a caller writes more than the slack at once)
             grow = m + n - capacity
-            pad = (0, 0, 0, grow)
-            self.k = F.pad(self.k, pad)
-            self.v = F.pad(self.v, pad)
+            self.kv = F.pad(self.kv, (0, 0, 0, grow))
             self.valid = F.pad(self.valid, (0, grow))
         if self.start > 0:
-            self.k[:, :, :, :m] = self.k[:, :, :, self.start : self.end].clone()
-            self.v[:, :, :, :m] = self.v[:, :, :, self.start : self.end].clone()
+            self.kv[..., :m, :] = self.kv[..., self.start : self.end, :].clone()
             self.valid[:, :m] = self.valid[:, self.start : self.end].clone()
         self.start, self.end = 0, m
 
@@ -216,16 +286,48 @@ class _Decoder:
     def _begin(self, batch: int) -> None:
         raise NotImplementedError
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
+        """Read one context segment; hidden states [B, L, D] (with ``last``, the prompt's
+        final segment, [B, >= 1, D]: only the final position's is used)."""
         raise NotImplementedError
+
+    def _step_hidden(self, ids: Tensor) -> Tensor:
+        """Feed one token per row ([B] ids); the last layer's output [B, D] for it."""
+        raise NotImplementedError
+
+    def scores(self, hidden: Tensor) -> Tensor:
+        """[B, D] -> [B, V] sampling scores: log-probabilities up to a constant per row."""
+        return self.log_probs(hidden)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """[B, D] -> [B, V] next-token log-probabilities."""
+        return self.model.softmax.log_prob(hidden)
+
+    def _run(self, fn: Callable[[], Tensor]) -> Tensor:
+        """Run a decoder computation without autograd."""
+        with torch.no_grad():
+            return fn()
 
     def step(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
-        raise NotImplementedError
+        return self._run(lambda: self.log_probs(self._step_hidden(ids)))
 
-    @torch.no_grad()
+    def step_scores(self, ids: Tensor) -> Tensor:
+        """As ``step`` but unnormalised (``scores``): what ``sample`` needs, and cheaper."""
+        return self._run(lambda: self.scores(self._step_hidden(ids)))
+
     def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
         """Read the prompts (left-padded, end-aligned segments); [B, V] next-token log-probs."""
+        return self._run(lambda: self.log_probs(self._read(prompts, start_id)))
+
+    def prefill_scores(
+        self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None
+    ) -> Tensor:
+        """As ``prefill`` but unnormalised (``scores``)."""
+        return self._run(lambda: self.scores(self._read(prompts, start_id)))
+
+    def _read(self, prompts: Sequence[Sequence[int]], start_id: int | None) -> Tensor:
+        """Read the prompts; the last position's output [B, D]."""
         rows = [list(r) for r in prompts]
         if not rows:
             raise ConfigError("no prompts given")
@@ -246,10 +348,12 @@ class _Decoder:
 
         self._begin(batch)
         hidden = None
-        for lo, hi in self._segments(width):
-            hidden = self._segment(ids[:, lo:hi], starts[:, lo:hi] if padded else None)
+        bounds = self._segments(width)
+        for i, (lo, hi) in enumerate(bounds):
+            reset = starts[:, lo:hi] if padded else None
+            hidden = self._segment(ids[:, lo:hi], reset, last=i == len(bounds) - 1)
         assert hidden is not None
-        return self.model.softmax.log_prob(hidden[:, -1])
+        return hidden[:, -1]
 
     def _segments(self, width: int) -> list[tuple[int, int]]:
         """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
@@ -270,26 +374,138 @@ class UncachedDecoder(_Decoder):
         self.mems: list[Tensor] | None = None
         self.mem_mask: Tensor | None = None
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
         hidden, self.mems, self.mem_mask = self.model.transform(
             ids, self.mems, reset, self.mem_mask
         )
         return hidden
 
-    @torch.no_grad()
-    def step(self, ids: Tensor) -> Tensor:
-        hidden = self._segment(ids.view(-1, 1).to(self.device), None)
-        return self.model.softmax.log_prob(hidden[:, -1])
+    def _step_hidden(self, ids: Tensor) -> Tensor:
+        return self._segment(ids.view(-1, 1).to(self.device), None)[:, -1]
+
+
+def _t(weight: Tensor) -> Tensor:
+    """W^T [in, out] of an nn.Linear weight [out, in], for ``x @ W^T`` with one row x.
+
+    With one row the product is matrix-vector, bound by reading the weight, and on CPU (one
+    thread, MKL) its speed depends on the layout: when out > in a contiguous [in, out] copy
+    is 2-3x faster (10k x 256 output layer: ~0.17-0.35 ms instead of ~0.3-1.1 ms; 1024 x 256:
+    ~50 us instead of ~120 us); when in > out (the second feed-forward layer) the weight as it
+    is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder.
+    """
+    weight = weight.detach()
+    return weight.t().contiguous() if weight.size(0) > weight.size(1) else weight.t()
+
+
+@dataclass
+class _StepLayer:
+    """One decoder layer's parameters, laid out for ``CachedDecoder._one_token``.
+
+    Read once per decoder (generation runs the model unchanged): transposed weights (``_t``)
+    and LayerNorm (weight, bias, eps) triples, so a step makes functional calls only.
+    """
+
+    qkv_t: Tensor  # [D, 3 H Dh]: queries, keys, values
+    out_t: Tensor  # [H Dh, D]
+    fc1_t: Tensor  # [D, d_inner]
+    fc1_b: Tensor
+    fc2_t: Tensor  # [d_inner, D]
+    fc2_b: Tensor
+    norm1: tuple  # attention LayerNorm: (weight, bias, eps)
+    norm2: tuple  # feed-forward LayerNorm
+    u: Tensor | None  # [H, Dh] content bias ("xl")
+    v: Tensor | None  # [H, 1, Dh] position bias ("xl"), shaped for queries [H, B, Dh]
+    scale: float
+    pos_emb: Tensor | None  # [D] absolute embedding of position 0 ("alrfou")
+
+    @classmethod
+    def of(cls, layer: nn.Module, model: TransformerXL) -> _StepLayer:
+        attn, ff = layer.attn, layer.ff
+        u = v = None
+        if attn.attn_type == "xl":  # per-layer biases (untie_r) or the model's shared ones
+            u = getattr(attn, "u", None)
+            v = getattr(attn, "v", None)
+            u = model.u if u is None else u
+            v = model.v if v is None else v
+        return cls(
+            qkv_t=_t(attn.qkv.weight),
+            out_t=_t(attn.out.weight),
+            fc1_t=_t(ff.fc1.weight),
+            fc1_b=ff.fc1.bias.detach(),
+            fc2_t=_t(ff.fc2.weight),
+            fc2_b=ff.fc2.bias.detach(),
+            norm1=(attn.norm.weight.detach(), attn.norm.bias.detach(), attn.norm.eps),
+            norm2=(ff.norm.weight.detach(), ff.norm.bias.detach(), ff.norm.eps),
+            u=None if u is None else u.detach(),
+            v=None if v is None else v.detach()[:, None],
+            scale=attn.scale,
+            pos_emb=layer.pos_emb[0].detach() if hasattr(layer, "pos_emb") else None,
+        )
+
+
+class _OutputLayer:
+    """The model's (adaptive) softmax laid out for one row per sequence (``_t``).
+
+    ``scores`` gives raw logits for a full softmax (the log-softmax only shifts each row and
+    ``sample`` renormalises) and, with cutoffs, the log-probabilities that
+    ``AdaptiveLogSoftmax.log_prob`` computes, by the same formula: head log-softmax over the
+    shortlist and one logit per tail cluster, plus each cluster's own log-softmax.
+    """
+
+    def __init__(self, softmax: nn.Module) -> None:
+        self.n_clusters, self.shortlist, self.bounds = (
+            softmax.n_clusters, softmax.shortlist, softmax.bounds,
+        )  # fmt: skip
+        self.clusters: list[tuple[Tensor | None, Tensor, Tensor]] = []  # (proj, W^T, bias)
+        for i in range(len(self.bounds)):
+            weight, bias, proj = softmax._weights(i)
+            if i == 0 and self.n_clusters:  # the head also scores the tail clusters
+                weight = torch.cat([weight, softmax.cluster_weight], dim=0)
+                bias = torch.cat([bias, softmax.cluster_bias], dim=0)
+            proj = None if proj is None else proj.detach()
+            self.clusters.append((proj, _t(weight), bias.detach()))
+
+    def _logits(self, i: int, hidden: Tensor) -> Tensor:
+        proj, weight_t, bias = self.clusters[i]
+        if proj is not None:
+            hidden = hidden @ proj  # [B, P] @ [P, E_i]
+        return torch.addmm(bias, hidden, weight_t)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] -> log-probabilities [B, V] (float32 at least)."""
+        if self.n_clusters:
+            return self.scores(hidden)
+        return F.log_softmax(_upcast(self._logits(0, hidden)), dim=-1)
+
+    def scores(self, hidden: Tensor) -> Tensor:
+        """hidden [B, D] -> [B, V]."""
+        head = self._logits(0, hidden)
+        if not self.n_clusters:
+            return head
+        head = F.log_softmax(_upcast(head), dim=-1)
+        out = head.new_empty(hidden.size(0), self.bounds[-1][1])
+        out[:, : self.shortlist] = head[:, : self.shortlist]
+        for i in range(1, self.n_clusters + 1):
+            lo, hi = self.bounds[i]
+            tail = F.log_softmax(_upcast(self._logits(i, hidden)), dim=-1)
+            out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
+        return out
 
 
 class CachedDecoder(_Decoder):
     """Incremental decoder: per-layer memory keys/values cached, position keys precomputed.
 
-    Every segment, the context's and each one-token step alike, runs ``_forward``: it projects
-    only the new positions, appends their keys/values to the cache and attends over the cached
-    window plus themselves. The mask is the model's (``attention_mask``: causal, same_length,
-    document starts); the position keys are sliced from a per-layer table, so no step
-    recomputes W_kR R. The layers' own weights and modules are used throughout.
+    Every context segment runs ``_forward``: it projects only the new positions, appends their
+    keys/values to the cache and attends over the cached window plus themselves. The mask is
+    the model's (``attention_mask``: causal, same_length, document starts); the position keys
+    are sliced from a per-layer table, so no step recomputes W_kR R. Each generated token runs
+    ``_one_token``, the same computation specialised to a single query.
+
+    Speed at batch 1 (small model, one CPU thread): a step is a chain of matrix-vector
+    products bound by reading the weights (~24 MB for 4 x 256 layers and a 10k softmax), plus
+    per-operation overhead. So the step reads each weight once in the layout that a one-row
+    product streams fastest (``_t``), issues ~30 operations per layer and no mask, and
+    sampling draws among the top-k candidates only (``top_k_candidates``, ``_draw``).
     """
 
     def __init__(self, model: TransformerXL) -> None:
@@ -300,6 +516,19 @@ class CachedDecoder(_Decoder):
         self.span = -1  # largest distance the tables cover
         if self.rel:
             self._build_tables(c.mem_len + c.tgt_len)
+        self.pre_lnorm = c.pre_lnorm
+        # float16/bfloat16 attention is normalised in float32 (as the model does)
+        half = self.dtype in (torch.float16, torch.bfloat16)
+        self.softmax_dtype = torch.float32 if half else None
+        self.abs_pos = None
+        if c.attn_type == "vaswani":
+            self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(self.dtype)
+        emb = model.embed
+        plain = emb.div_val == 1 and not len(emb.projs)
+        self.embed_weight = emb.layers[0].weight.detach() if plain else None
+        with torch.no_grad():  # copies of the weights, outside any autograd graph
+            self.layers = [_StepLayer.of(layer, model) for layer in model.layers]
+            self.head = _OutputLayer(model.softmax)
 
     @torch.no_grad()
     def _build_tables(self, span: int) -> None:
@@ -318,7 +547,10 @@ class CachedDecoder(_Decoder):
         else:  # shaw: learned rows, clipped into the table like TransformerXL.transform
             limit = min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
             pos = dist.clamp(max=limit)
-        self.tables = [layer.attn.position_keys(pos).to(self.dtype) for layer in self.model.layers]
+        # contiguous [H, span + 2, Dh]: a slice is then one dense block per head
+        self.tables = [
+            layer.attn.position_keys(pos).to(self.dtype).contiguous() for layer in self.model.layers
+        ]
         self.span = span
 
     def _begin(self, batch: int) -> None:
@@ -329,17 +561,117 @@ class CachedDecoder(_Decoder):
         )  # fmt: skip
         self.masked = False  # True once some memory position may be invisible (padding)
 
-    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        return self._forward(ids, reset)
+    def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
+        return self._forward(ids, reset, last_only=last)
 
-    @torch.no_grad()
-    def step(self, ids: Tensor) -> Tensor:
-        hidden = self._forward(ids.view(-1, 1).to(self.device), None)
-        return self.model.softmax.log_prob(hidden[:, -1])
+    def _run(self, fn: Callable[[], Tensor]) -> Tensor:
+        """Run a decoder computation in inference mode: no autograd bookkeeping at all
+        (version counters, views), which at ~150 small operations a step is measurable
+        (~5-10% of a step of the small model). The cache is built and only ever written in
+        this mode; the result is copied out so that callers get an ordinary tensor."""
+        with torch.inference_mode():
+            out = fn()
+        return out.clone()
 
-    @torch.no_grad()
-    def _forward(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        """ids [B, L] -> last layer's hidden states [B, L, D]; the cache takes the L positions."""
+    def scores(self, hidden: Tensor) -> Tensor:
+        """Raw logits for a full softmax, log-probabilities for an adaptive one (see
+        ``_OutputLayer``): what ``sample`` needs, without a log-softmax over the vocabulary."""
+        return self.head.scores(hidden)
+
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        return self.head.log_probs(hidden)
+
+    def _step_hidden(self, ids: Tensor) -> Tensor:
+        c = self.config
+        if c.same_length and c.mem_len < 1:  # nothing visible: the model's NaNs, not ours
+            return self._forward(ids.view(-1, 1).to(self.device), None)[:, -1]
+        return self._one_token(ids.view(-1).to(self.device))
+
+    def _one_token(self, ids: Tensor) -> Tensor:
+        """ids [B] -> last layer's output [B, D]: ``_forward`` specialised to one token.
+
+        Same arithmetic, fewer and cheaper operations (at batch 1 a step of a small model
+        is a few MFLOP, so the time goes to per-operation overhead and to streaming the
+        weights): no mask (a single query sees its whole window, see ``lo``), position keys
+        sliced without the relative shift, heads folded into the batch of ``bmm``, the scale
+        and the position term folded into one ``baddbmm``, functional calls on weights laid
+        out for a one-row product (``_StepLayer``) instead of module calls.
+        """
+        c, cache = self.config, self.cache
+        batch, n_head, d_head = ids.size(0), c.n_head, c.d_head
+        bh = batch * n_head
+        if self.embed_weight is not None:  # the module's arithmetic without its call overhead
+            h = F.embedding(ids, self.embed_weight) * self.model.embed.scale  # [B, D]
+        else:  # adaptive input embeddings
+            h = self.model.embed(ids[:, None]).view(batch, -1)
+        if self.abs_pos is not None:  # "vaswani": the one token is at position 0
+            h = h + self.abs_pos
+
+        cache.reserve(1)
+        s, e = cache.start, cache.end
+        # Keys this query may see: the cached window and itself; with same_length only the
+        # mem_len newest of those (attention_mask's rule for query index M). The others are
+        # left out of the product rather than masked: the same softmax, exactly.
+        lo = max(s, e + 1 - c.mem_len) if c.same_length else s
+        nk = e + 1 - lo
+        if self.rel and nk - 1 > self.span:
+            self._build_tables(nk - 1)
+        cache.valid[:, e] = True
+        blocked = None
+        if self.masked:  # left padding somewhere: hide it (the query's own key is valid)
+            blocked = ~cache.valid[:, None, lo : e + 1]  # [B, 1, K] over heads
+
+        kv, keys_of, values_of = cache.layer_views()
+        dim = (c.d_model,)  # LayerNorm's normalised shape
+        for n, w in enumerate(self.layers):
+            if w.pos_emb is not None:  # "alrfou"
+                h = h + w.pos_emb
+            x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
+            qkv = torch.mm(x, w.qkv_t).view(batch, 3, n_head, d_head)
+            kv[n].select(3, e).copy_(qkv[:, 1:].transpose(0, 1))  # this token's key, value
+            q = qkv[:, 0]  # [B, H, Dh]
+            keys = keys_of[n].narrow(1, lo, nk)  # [B H, K, Dh]
+            values = values_of[n].narrow(1, lo, nk)
+            qc = (q if w.u is None else q + w.u).reshape(bh, 1, d_head)
+            if self.rel:
+                # (b) + (d): one query at key index e, so key j is at distance e - j; the
+                # table's columns span - (nk - 1) .. span hold distances nk - 1 .. 0.
+                rk = self.tables[n].narrow(1, self.span + 1 - nk, nk)  # [H, K, Dh]
+                qp = q.transpose(0, 1)  # [H, B, Dh]
+                if w.v is not None:
+                    qp = qp + w.v
+                pos = torch.bmm(qp, rk.transpose(1, 2)).transpose(0, 1).reshape(bh, 1, nk)
+                # scale * ((a) + (c)) + scale * ((b) + (d)) in one call
+                scores = torch.baddbmm(
+                    pos, qc, keys.transpose(1, 2), beta=w.scale, alpha=w.scale
+                )  # [B H, 1, K]
+            else:
+                scores = torch.bmm(qc, keys.transpose(1, 2)) * w.scale
+            if blocked is not None:
+                scores = scores.view(batch, n_head, nk).masked_fill(blocked, float("-inf"))
+                scores = scores.view(bh, 1, nk)
+            if self.softmax_dtype is None:
+                probs = torch.softmax(scores, dim=-1)
+            else:  # half precision normalised in float32, as the model does
+                probs = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(h.dtype)
+            out = torch.mm(torch.bmm(probs, values).view(batch, n_head * d_head), w.out_t)
+            if self.pre_lnorm:
+                h = h + out
+                x = torch.layer_norm(h, dim, *w.norm2)
+            else:
+                h = x = torch.layer_norm(h + out, dim, *w.norm1)
+            f = torch.addmm(w.fc2_b, torch.addmm(w.fc1_b, x, w.fc1_t).relu_(), w.fc2_t)
+            h = h + f if self.pre_lnorm else torch.layer_norm(h + f, dim, *w.norm2)
+        cache.advance(1)
+        return h
+
+    def _forward(self, ids: Tensor, reset: Tensor | None, *, last_only: bool = False) -> Tensor:
+        """ids [B, L] -> last layer's hidden states [B, L, D]; the cache takes the L positions.
+
+        ``last_only``: only the final position's output is wanted (the prompt's last segment):
+        the top layer, whose output no cache holds, then attends and runs its feed-forward
+        for that position alone ([B, 1, D]); its keys and values are still all cached.
+        """
         c, model, cache = self.config, self.model, self.cache
         qlen = ids.size(1)
         h = model.embed(ids)  # [B, L, D]
@@ -368,27 +700,29 @@ class CachedDecoder(_Decoder):
             x = attn.norm(h) if attn.pre_lnorm else h
             qkv = F.linear(x, attn.qkv.weight).chunk(3, dim=-1)  # rows: queries, keys, values
             q, k_new, v_new = (attn._heads(t) for t in qkv)  # [B, H, L, Dh] each
-            cache.k[n, :, :, e : e + qlen] = k_new
-            cache.v[n, :, :, e : e + qlen] = v_new
-            keys = cache.k[n, :, :, s : e + qlen]  # [B, H, K, Dh]: memory, then these L
-            values = cache.v[n, :, :, s : e + qlen]
+            cache.kv[n, 0, :, :, e : e + qlen] = k_new
+            cache.kv[n, 1, :, :, e : e + qlen] = v_new
+            keys = cache.kv[n, 0, :, :, s : e + qlen]  # [B, H, K, Dh]: memory, then these L
+            values = cache.kv[n, 1, :, :, s : e + qlen]
 
             if c.attn_type == "xl":
                 u = attn.u if hasattr(attn, "u") else u_shared
                 v = attn.v if hasattr(attn, "v") else v_shared
             else:
                 u = v = None
-            qc = q if u is None else q + u[:, None, :]
-            scores = qc @ keys.transpose(-1, -2)  # [B, H, L, K] content terms (a) + (c)
+            # Fused attention (as the model's default attn_impl "sdpa"): the [B, H, L, K]
+            # probabilities of a context segment are never materialised.
+            qc = q if u is None else q + u[:, None, :]  # content terms (a) + (c)
+            bias: Tensor = mask
             if self.rel:
                 rk = self.tables[n][:, -(klen + 1) :]  # [H, K + 1, Dh]: distances K-1 .. -1
                 qp = q if v is None else q + v[:, None, :]
-                scores = scores + rel_shift(qp @ rk.transpose(-1, -2))  # (b) + (d)
-            scores = (scores * attn.scale).masked_fill(blocked, float("-inf"))
-            probs = torch.softmax(
-                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
-            ).to(values.dtype)  # half precision normalised in float32, float64 kept
-            out = attn.out((probs @ values).transpose(1, 2).flatten(2))  # [B, L, D]
+                bias = rel_shift(qp @ rk.transpose(-1, -2)) * attn.scale  # (b) + (d)
+                bias = bias.masked_fill(blocked, float("-inf"))
+            if last_only and n == c.n_layer - 1:
+                qc, bias, h = qc[:, :, -1:], bias[..., -1:, :], h[:, -1:]
+            ctx = F.scaled_dot_product_attention(qc, keys, values, attn_mask=bias, scale=attn.scale)
+            out = attn.out(ctx.transpose(1, 2).flatten(2))  # [B, L, D]
             h = h + out if attn.pre_lnorm else attn.norm(h + out)
             h = layer.ff(h)
 
@@ -437,12 +771,12 @@ def stream(
                 generator.manual_seed(seed)
         if max_new_tokens == 0:
             return
-        log_probs = decoder.prefill(rows, start_id=start_id)
+        scores = decoder.prefill_scores(rows, start_id=start_id)
         for t in range(max_new_tokens):
-            tokens = sample(log_probs, sampling, generator)
+            tokens = sample(scores, sampling, generator)
             yield tokens
             if t + 1 < max_new_tokens:
-                log_probs = decoder.step(tokens)
+                scores = decoder.step_scores(tokens)
     finally:
         model.train(was_training)
 

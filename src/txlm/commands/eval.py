@@ -48,6 +48,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--kv-cache", action="store_true",
+        help="keep the memory's projected keys/values between segments (faster, same numbers)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     eval_file.add_arguments(p)
     p.set_defaults(func=run)
@@ -126,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
         metric=corpus.metric,
         progress=show,
         desc=args.split,
+        kv_cache=args.kv_cache,
     )
     result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
     if args.json:

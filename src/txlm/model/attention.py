@@ -35,15 +35,20 @@ def rel_shift(x: Tensor) -> Tensor:
     storage offset L-1 and row stride K. The extra distance -1 column makes the row stride K
     equal to the view's width, so no element is viewed twice (a cheap backward) and every
     visible pair (j <= M+i) reads from its own row; the masked pairs read finite junk.
+
+    Written as flatten + slice + view (not ``as_strided``): the same view, but it never asks
+    for the storage offset, which torch.compile cannot trace without a graph break.
     """
-    x = x.contiguous()
-    *lead, qlen, kp1 = x.shape
+    qlen, kp1 = x.shape[-2:]
     klen = kp1 - 1
-    stride = list(x.stride())
-    return x.as_strided(
-        (*lead, qlen, klen),
-        (*stride[:-2], klen, 1),
-        x.storage_offset() + qlen - 1,
+    flat = x.contiguous().flatten(-2)  # [..., L*(K+1)]
+    return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
+
+
+def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """Bool mask (True: may attend) -> 0 / -inf bias of the same shape, to add to scores."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, float("-inf")
     )
 
 
@@ -81,10 +86,21 @@ class RelativeAttention(nn.Module):
         """[B, T, H*Dh] -> [B, H, T, Dh]."""
         return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
 
-    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values [B, H, T, Dh] of (normalised, for pre-LN) hidden states [B, T, D]."""
+    def _split_qkv(self) -> tuple[Tensor, Tensor]:
+        """Query rows [I, D] and key/value rows [2I, D] of the fused weight, as views.
+
+        One ``split`` rather than two slices: its backward concatenates the two gradients,
+        where each slice's backward would zero-fill a full-size gradient and add them up.
+        """
         inner = self.n_head * self.d_head
-        kv = F.linear(x, self.qkv.weight[inner:])
+        w_q, w_kv = self.qkv.weight.split([inner, 2 * inner])
+        return w_q, w_kv
+
+    def project_kv(self, x: Tensor, w_kv: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Keys and values [B, H, T, Dh] of (normalised, for pre-LN) hidden states [B, T, D]."""
+        if w_kv is None:
+            w_kv = self._split_qkv()[1]
+        kv = F.linear(x, w_kv)
         k, v = kv.chunk(2, dim=-1)
         return self._heads(k), self._heads(v)
 
@@ -107,6 +123,48 @@ class RelativeAttention(nn.Module):
             return content, None
         qp = q if v is None else q + v[:, None, :]
         return content, rel_shift(qp @ rk.transpose(-1, -2))
+
+    def _scores(
+        self,
+        q: Tensor,
+        k: Tensor,
+        rk: Tensor | None,
+        mask: Tensor,
+        u: Tensor | None,
+        v: Tensor | None,
+    ) -> Tensor:
+        """Scaled, masked scores [B, H, L, K]: the same numbers as ``score_terms`` summed,
+        scaled and masked, in fewer passes over the [B, H, L, K] buffer (it dominates the
+        memory traffic): the scale goes onto the queries ([B, H, L, Dh], K/Dh times smaller),
+        the mask is an additive 0/-inf bias added to the shifted position scores, and the
+        content matmul accumulates onto that sum (baddbmm with beta = 1).
+        """
+        batch, heads, qlen, d_head = q.shape
+        klen = k.size(2)
+        rows = batch * heads
+        # The keys' dtype is the matmuls' (bf16 under autocast, where q + u would promote to
+        # float32): baddbmm_ is in place, so autocast does not cast its inputs for us.
+        dtype = k.dtype
+        qc = ((q if u is None else q + u[:, None, :]) * self.scale).to(dtype)
+        qc = qc.reshape(rows, qlen, d_head)
+        kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
+        mask_bias = _additive_mask(mask, dtype)  # [L, K] or [B, 1, L, K]
+        if rk is not None and mask.dim() == 2:
+            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
+            # rel_shift's view merges (B, H) without a copy; the sum is a new 3-D tensor that
+            # nothing else references, so the content matmul may accumulate into it in place
+            # (add saves no inputs for backward; baddbmm's backward needs only qc and kt).
+            scores = rel_shift(qp @ rk.transpose(-1, -2)).view(rows, qlen, klen) + mask_bias
+            return scores.baddbmm_(qc, kt).view(batch, heads, qlen, klen)
+        # Per-row masks (or no position term): the sum is [B, H, L, K] and its 3-D form a
+        # view, which in-place autograd would have to copy; accumulate out of place instead.
+        if rk is None:
+            bias = mask_bias.expand(batch, heads, qlen, klen)
+        else:
+            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
+            bias = rel_shift(qp @ rk.transpose(-1, -2)) + mask_bias
+        scores = torch.baddbmm(bias.reshape(rows, qlen, klen), qc, kt)
+        return scores.view(batch, heads, qlen, klen)
 
     # -- forward ------------------------------------------------------------------------
     def forward(
@@ -133,20 +191,20 @@ class RelativeAttention(nn.Module):
         """
         qlen = h.size(1)
         x_cur = self.norm(h) if self.pre_lnorm else h
-        inner = self.n_head * self.d_head
-        q = self._heads(F.linear(x_cur, self.qkv.weight[:inner]))  # [B, H, L, Dh]
-
+        w_q, w_kv = self._split_qkv()
         extras: dict[str, Tensor] = {}
         if past_kv is not None:
-            k_cur, v_cur = self.project_kv(x_cur)
+            # the memory is already projected: one matmul gives this segment's q, k and v
+            q, k_cur, v_cur = (self._heads(t) for t in self.qkv(x_cur).chunk(3, dim=-1))
             k = torch.cat([past_kv[0], k_cur], dim=2)
             val = torch.cat([past_kv[1], v_cur], dim=2)
         else:
+            q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
             if mem is not None and mem.size(1) > 0:
                 x_all = torch.cat([self.norm(mem) if self.pre_lnorm else mem, x_cur], dim=1)
             else:
                 x_all = x_cur
-            k, val = self.project_kv(x_all)
+            k, val = self.project_kv(x_all, w_kv)
             k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
         if return_kv:
             extras["k"], extras["v"] = k_cur, v_cur
@@ -159,12 +217,10 @@ class RelativeAttention(nn.Module):
         rk = self.position_keys(pos) if pos is not None else None
         rk = rk.to(q.dtype) if rk is not None else None
 
-        if self.attn_impl == "sdpa" and not return_probs:
+        if self._use_sdpa(q, rk, return_probs):
             attn = self._sdpa(q, k, val, rk, mask, u, v)
         else:
-            content, position = self.score_terms(q, k, rk, u, v)
-            scores = content if position is None else content + position
-            scores = (scores * self.scale).masked_fill(~mask, float("-inf"))
+            scores = self._scores(q, k, rk, mask, u, v)
             probs = torch.softmax(
                 scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
             )
@@ -177,6 +233,18 @@ class RelativeAttention(nn.Module):
         out = self.drop(self.out(attn.transpose(1, 2).flatten(2)))  # [B, L, D]
         out = h + out if self.pre_lnorm else self.norm(h + out)
         return out, extras
+
+    def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:
+        """Whether the fused kernel runs. On the CPU, torch's fused SDPA kernel has no
+        backward for an attention bias: when the position bias needs a gradient (training)
+        SDPA falls back to its unfused reference math, which makes more passes over the
+        scores than ``_scores`` (measured: benchmarks/compare.py), so we use ours there."""
+        if self.attn_impl != "sdpa" or return_probs:
+            return False
+        bias_needs_grad = (
+            rk is not None and torch.is_grad_enabled() and (q.requires_grad or rk.requires_grad)
+        )
+        return not (bias_needs_grad and q.device.type == "cpu")
 
     def _sdpa(
         self,
@@ -192,9 +260,10 @@ class RelativeAttention(nn.Module):
         dropout = self.dropatt if self.training else 0.0
         if rk is None:
             return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=dropout)
-        qp = q if v is None else q + v[:, None, :]
-        bias = rel_shift(qp @ rk.transpose(-1, -2)) * self.scale
-        bias = bias.masked_fill(~mask, float("-inf"))
+        # One pass builds the bias: the scale goes onto the queries ([B, H, L, Dh]) and the
+        # mask is added as 0/-inf, instead of a scale pass and a masked_fill pass.
+        qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(k.dtype)
+        bias = rel_shift(qp @ rk.transpose(-1, -2)) + _additive_mask(mask, k.dtype)
         qc = q if u is None else q + u[:, None, :]
         return F.scaled_dot_product_attention(
             qc, k, val, attn_mask=bias, dropout_p=dropout, scale=self.scale

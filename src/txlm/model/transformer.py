@@ -162,11 +162,14 @@ class TransformerXL(nn.Module):
         *,
         attn_kwargs: dict | None = None,
         extras: list[dict] | None = None,
+        past_kv: list[tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, list[Tensor], Tensor | None]:
         """Hidden states [B, L, D], the updated memory and its validity (no output layer).
 
         ``extras``, when a list, receives each layer's attention extras (see
-        RelativeAttention.forward; ``attn_kwargs`` asks for them).
+        RelativeAttention.forward; ``attn_kwargs`` asks for them). ``past_kv``: per layer the
+        keys and values [B, H, M, Dh] already projected from ``mems`` (inference only; see
+        txlm.model.kv_eval), so the memory is not projected again.
         """
         c = self.config
         if input_ids.dim() != 2:
@@ -208,8 +211,11 @@ class TransformerXL(nn.Module):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
             hiddens.append(h)
+            layer_kwargs = dict(attn_kwargs or {})
+            if past_kv is not None and mlen > 0:
+                layer_kwargs["past_kv"] = past_kv[n]
             h, layer_extras = layer(
-                h, None if mems is None else mems[n], mask, pos, u, v, **(attn_kwargs or {})
+                h, None if mems is None else mems[n], mask, pos, u, v, **layer_kwargs
             )
             if extras is not None:
                 extras.append(layer_extras)
