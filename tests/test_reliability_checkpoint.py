@@ -528,12 +528,6 @@ def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
     assert not (tmp_path / "run").exists()  # created for the probe, removed again
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="train: Trainer does not check before training that --out can take a checkpoint "
-    "(txlm.checkpoint.ensure_writable(out, 2 * estimate_checkpoint_bytes(model))); a full "
-    "disk is only found at the first save, after the first steps have run",
-)
 def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypatch) -> None:
     import txlm.checkpoint as ck
     from txlm.train import Trainer

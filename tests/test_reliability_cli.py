@@ -196,34 +196,6 @@ EVIL = evil_pickle(Path(MARKER))
 EVIL_SYSTEM = evil_os_system_pickle(Path(MARKER))
 EVIL_ZIP = evil_torch_zip(Path(MARKER))
 
-# Known defects in other areas (xfail strict: a fix turns the case into an XPASS failure).
-XF_CONVERT_ALLOC = (
-    "convert: convert_hf builds the model from config.json (convert._empty_model, on the "
-    "CPU) before comparing its shapes with the weights; a config claiming a huge vocabulary "
-    "fails in the allocator (RuntimeError traceback, exit 1), and one the allocator grants "
-    "(tens of GB) is allocated and randomly initialised before the mismatch is found"
-)
-XF_YAML = (
-    "train: train_config.load_yaml reads the file with read_text() and catches only "
-    "OSError/YAMLError; a non-UTF-8 file raises UnicodeDecodeError: traceback, exit 1"
-)
-XF_RESUME_OPT = (
-    "train: Trainer._load_resume reads optimizer.safetensors (load_optimizer/safe_open) "
-    "without mapping its errors (SafetensorError) to CheckpointError: traceback, exit 1"
-)
-XF_RESUME_STATE = (
-    "train: Trainer._load_resume reads trainer_state.json (json.loads) without mapping "
-    "its errors (JSONDecodeError) to CheckpointError: traceback, exit 1"
-)
-XF_RESUME_MEM = (
-    "train: Trainer._load_resume reads memory.safetensors (load_file) without mapping its "
-    "errors (SafetensorError) to CheckpointError: traceback, exit 1"
-)
-XF_VOCAB = (
-    "data: Vocab.load reads vocab.json with read_text(encoding='utf-8') outside any try; "
-    "a non-UTF-8 file (here a pickle) raises UnicodeDecodeError: traceback, exit 1"
-)
-
 CASES: list[Case] = [
     # ---- prepare -------------------------------------------------------------------------
     Case("prepare-empty-file", ["prepare", "text:empty.txt"], "empty", write("empty.txt", "")),
@@ -292,8 +264,6 @@ CASES: list[Case] = [
         ["prepare", "text:blob.txt"],
         "binary",
         write("blob.txt", bytes(range(256)) * 8),
-        xfail="data: prepare_dataset() creates DATA_DIR (data_dir.mkdir, prepare.py) before "
-        "reading the input and leaves the empty folder behind when the input is refused",
     ),
     Case("prepare-unknown-option", ["prepare", "--frobnicate"], "--frobnicate"),
     Case("prepare-non-integer-option", ["prepare", "text:x.txt", "--min-freq", "lots"], "min-freq"),
@@ -346,7 +316,6 @@ CASES: list[Case] = [
         "vocab",
         _hf_model("vocab_size", 2**36),  # 4 TiB of embeddings next to a 40-row weight file
         uses=("hf",),
-        xfail=XF_CONVERT_ALLOC,
     ),
     Case(
         "convert-weights-missing",
@@ -423,10 +392,6 @@ CASES: list[Case] = [
         write("hf/vocab.bin", _dos_vocab()),
         uses=("hf",),
         pickle=True,
-        xfail="convert: safe_unpickle allows builtins.bytes, and a pickled bytes(2**62) "
-        "raises MemoryError, which _load_one does not catch (traceback, exit 1); an int "
-        "argument to bytes() should be refused, and MemoryError/OverflowError mapped to "
-        "CheckpointError",
     ),
     Case(
         "convert-vocab-size-mismatch",
@@ -499,7 +464,6 @@ CASES: list[Case] = [
         "c.yaml",
         write("c.yaml", EVIL),
         pickle=True,
-        xfail=XF_YAML,
     ),
     Case(
         "train-yaml-missing", ["train", "--preset", "debug", "--config", "nope.yaml"], "nope.yaml"
@@ -555,7 +519,6 @@ CASES: list[Case] = [
         "optimizer",
         write("run/last/optimizer.safetensors", b""),
         uses=("corpus.txt", "data", "run"),
-        xfail=XF_RESUME_OPT,
     ),
     Case(
         "train-resume-pickled-optimizer",
@@ -564,7 +527,6 @@ CASES: list[Case] = [
         write("run/last/optimizer.safetensors", EVIL_ZIP),
         uses=("corpus.txt", "data", "run"),
         pickle=True,
-        xfail=XF_RESUME_OPT,
     ),
     Case(
         "train-resume-truncated-state",
@@ -572,7 +534,6 @@ CASES: list[Case] = [
         "trainer_state.json",
         truncate("run/last/trainer_state.json", 0.5),
         uses=("corpus.txt", "data", "run"),
-        xfail=XF_RESUME_STATE,
     ),
     Case(
         "train-resume-pickled-memory",
@@ -581,7 +542,6 @@ CASES: list[Case] = [
         write("run/last/memory.safetensors", EVIL),
         uses=("corpus.txt", "data", "run"),
         pickle=True,
-        xfail=XF_RESUME_MEM,
     ),
     Case(
         "train-resume-with-preset",
@@ -679,9 +639,6 @@ CASES: list[Case] = [
         write("data/text-corpus/meta.json", EVIL),
         uses=("corpus.txt", "data", "run"),
         pickle=True,
-        xfail="data: a prepared dataset whose meta.json is not UTF-8 (here a pickle) raises "
-        "UnicodeDecodeError from prepare._is_current / load_prepared (read_text catches only "
-        "OSError/JSONDecodeError): traceback, exit 1",
     ),
     Case(
         "eval-pickle-as-corpus-tokens",
@@ -692,9 +649,6 @@ CASES: list[Case] = [
         ),
         uses=("corpus.txt", "data", "run"),
         pickle=True,
-        xfail="data/eval: token ids of a prepared split are never checked against the "
-        "vocabulary (load_prepared/PreparedCorpus.split); a same-size foreign file (here a "
-        "pickle) reaches the embedding: IndexError traceback, exit 1",
     ),
     Case(
         "eval-pickle-as-corpus-vocab",
@@ -703,7 +657,6 @@ CASES: list[Case] = [
         write("data/text-corpus/vocab.json", EVIL),
         uses=("corpus.txt", "data", "run"),
         pickle=True,
-        xfail=XF_VOCAB,
     ),
     # ---- generate ------------------------------------------------------------------------
     Case("generate-missing-checkpoint", ["generate", "nope", "--prompt", "a"], "nope"),
@@ -751,7 +704,6 @@ CASES: list[Case] = [
         write("run/best/vocab.json", EVIL),
         uses=("run",),
         pickle=True,
-        xfail=XF_VOCAB,
     ),
     Case(
         "generate-pickle-as-checkpoint",

@@ -461,11 +461,6 @@ def test_sigkill_during_prepare_then_prepare_again(runner: Runner, tmp_path: Pat
     _prepare_killed(runner, tmp_path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="data: a prepare killed mid-build leaves its temp folder DATA_DIR/.NAME.tmp-XXXX "
-    "(up to a dataset's size) behind for good; the next prepare neither reuses nor removes it",
-)
 def test_sigkill_during_prepare_leaves_no_temp_folder(runner: Runner, tmp_path: Path) -> None:
     data = _prepare_killed(runner, tmp_path)
     assert sorted(p.name for p in data.iterdir()) == ["text-big"]
