@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -192,3 +193,19 @@ def test_model_runs_in_the_dtype_it_was_cast_to(dtype):
     out = model(x, mems=first.mems, labels=x)
     assert out.mems[0].dtype == dtype
     assert torch.isfinite(out.loss).all() and out.loss.dtype in (dtype, torch.float32)
+
+
+def test_saving_any_checkpoint_removes_temp_dirs_of_dead_writers(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    pid = int(dead.stdout)
+    stale = tmp_path / f".best.{pid}.abc123.tmp"  # a writer killed while writing `best`
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    live = tmp_path / f".best.{os.getpid()}.def456.tmp"  # a live writer: left alone
+    live.mkdir()
+    txlm.save(TransformerXL(ModelConfig.from_preset("debug")), tmp_path / "last")
+    assert not stale.exists() and live.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -67,18 +68,23 @@ def write_json(path: Path, data: Any) -> None:
         raise
 
 
-def _remove_stale_temps(target: Path) -> None:
-    """Delete temp dirs for ``target`` left by writers that died (SIGKILL, power loss).
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    """Delete temp dirs in ``folder`` left by writers that died (SIGKILL, power loss).
 
     Temp names carry the writer's pid; one whose process no longer exists is garbage. A live
-    pid (ours, or another process writing the same target) is left alone.
+    pid (ours, or another process writing there) is left alone. Every checkpoint's leftovers
+    go, not only the target's: a run killed while writing ``best`` may never write ``best``
+    again, and its next ``last`` save is then the one that cleans up.
     """
-    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
-        parts = tmp.name[len(target.name) + 2 :].split(".")
-        if not parts or not parts[0].isdigit() or not tmp.is_dir():
+    for tmp in folder.glob(".*.tmp"):
+        match = _TEMP_NAME.match(tmp.name)
+        if match is None or not tmp.is_dir():
             continue
         try:
-            os.kill(int(parts[0]), 0)
+            os.kill(int(match["pid"]), 0)
         except ProcessLookupError:
             shutil.rmtree(tmp, ignore_errors=True)
         except OSError:  # exists but not ours (EPERM): not stale
@@ -89,7 +95,7 @@ def atomic_directory(target: Path, fill: Callable[[Path], None]) -> Path:
     """Create ``target`` by calling ``fill(tmpdir)`` and renaming tmpdir into place."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target)
+    _remove_stale_temps(target.parent)
     tmp = Path(
         tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
     )
