@@ -12,8 +12,8 @@ Each case builds a working directory from good assets, breaks one thing, runs
 
 Runs go through ``reliability_cli_runner`` (one warm parent, a forked child per case: the same
 code path as ``python -m txlm``, without 1.5 s of start-up per case); a few cases also run as
-real ``python -m txlm`` subprocesses to keep the runner honest. A case whose command is not
-on this branch yet is skipped with that reason.
+real ``python -m txlm`` subprocesses to keep the runner honest. Every subcommand has cases
+(``test_the_table_covers_every_command``).
 """
 
 from __future__ import annotations
@@ -783,6 +783,11 @@ CASES: list[Case] = [
         uses=("hf",),
     ),
     Case("info-missing-checkpoint", ["info", "nope"], "nope"),
+    # ---- analysis ------------------------------------------------------------------------
+    Case("bench-zero-length", ["bench", "eval-speed", "--lengths", "0"], "--lengths"),
+    Case("recl-missing-checkpoints", ["recl", "nope-a", "nope-b"], "nope-a"),
+    Case("attention-missing-checkpoint", ["attention", "nope"], "nope"),
+    Case("ablate-unknown-preset", ["ablate", "--preset", "huge"], "huge"),
     Case("unknown-command", ["frobnicate"], "frobnicate"),
 ]
 
@@ -798,7 +803,11 @@ def _commands() -> set[str]:
     return set(sub.choices)
 
 
-AVAILABLE = _commands()
+def test_the_table_covers_every_command() -> None:
+    """Every subcommand has bad-input cases, and every case names a real subcommand."""
+    commands = _commands()
+    covered = {c.command for c in CASES if not c.id.startswith("unknown")}
+    assert covered == commands, (commands - covered, covered - commands)
 
 
 def _prepare_workdir(case: Case, assets: Path, tmp_path: Path) -> tuple[Path, Path]:
@@ -847,8 +856,6 @@ def check_result(case: Case, rc: int, out: str, err: str, before: dict, after: d
     ],
 )
 def test_bad_input(case: Case, assets: Path, runner: Runner, tmp_path: Path) -> None:
-    if case.command not in AVAILABLE and not case.id.startswith("unknown"):
-        pytest.skip(f"`txlm {case.command}` is not on this branch yet")
     work, io_dir = _prepare_workdir(case, assets, tmp_path)
     before = snapshot(work)
     rc, out, err = runner.run(case.argv, work, io_dir, {"TXLM_DATA_DIR": str(work / "data")})
@@ -862,8 +869,6 @@ REAL = ["convert-evil-vocab-bin", "eval-vocab-mismatch", "generate-pickle-as-che
 @pytest.mark.parametrize("case_id", REAL)
 def test_bad_input_real_subprocess(case_id: str, assets: Path, tmp_path: Path) -> None:
     case = next(c for c in CASES if c.id == case_id)
-    if case.command not in AVAILABLE:
-        pytest.skip(f"`txlm {case.command}` is not on this branch yet")
     work, _ = _prepare_workdir(case, assets, tmp_path)
     before = snapshot(work)
     env = {**subprocess_env(), "TXLM_DATA_DIR": str(work / "data")}
@@ -909,8 +914,6 @@ PICKLE_CASES = [c for c in CASES if c.pickle]
 def test_crafted_pickle_never_runs(case: Case, assets: Path, runner: Runner, tmp_path) -> None:
     """Only the one property, with no xfail: even where a case above fails for a known
     defect (a traceback), the crafted file was not executed."""
-    if case.command not in AVAILABLE:
-        pytest.skip(f"`txlm {case.command}` is not on this branch yet")
     work, io_dir = _prepare_workdir(case, assets, tmp_path)
     rc, _, err = runner.run(case.argv, work, io_dir, {"TXLM_DATA_DIR": str(work / "data")})
     assert rc != 0, err
