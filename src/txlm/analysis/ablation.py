@@ -125,7 +125,8 @@ class AblationSettings:
             base.pop("model")
             base["tgt_len"] = PRESETS[self.preset].model.get("tgt_len", base["tgt_len"])
         else:
-            names = ", ".join([*ABLATION_PRESETS, *PRESETS])
+            # dict.fromkeys: one mention each ("debug" is both an ablation and a model preset)
+            names = ", ".join(dict.fromkeys([*ABLATION_PRESETS, *PRESETS]))
             raise ConfigError(f"unknown ablation preset {self.preset!r}; choose from: {names}")
         for key in ("steps", "batch_size", "tgt_len", "eval_lengths", "eval_tokens", "lr"):
             value = getattr(self, key)
