@@ -138,11 +138,12 @@ class Runner:
         """The exit code (minus the signal that killed it), stdout and stderr."""
         assert self.proc.stdout is not None
         rc = int(json.loads(self.proc.stdout.readline())["rc"])
-        return (
-            rc,
-            (self._io / "stdout").read_text(errors="replace"),
-            (self._io / "stderr").read_text(errors="replace"),
-        )
+        return rc, self._read("stdout"), self._read("stderr")
+
+    def _read(self, name: str) -> str:
+        # A child SIGKILLed right after the fork may die before it opens its output files.
+        path = self._io / name
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def run(self, argv: list[str], cwd: Path, io_dir: Path, env: dict[str, str]) -> tuple:
         self.start(argv, cwd, io_dir, env)
