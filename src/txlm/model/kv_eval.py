@@ -74,10 +74,4 @@ class CachedEvaluator:
             kv.append((k[:, :, k.size(2) - keep :], v[:, :, v.size(2) - keep :]))
         self.mems, self.mem_mask, self.kv = mems, mem_mask, kv
 
-        out = TransformerXLOutput(mems=mems, mem_mask=mem_mask, hidden=hidden)
-        flat = hidden.reshape(-1, hidden.size(-1))
-        if labels is not None:
-            out.loss = model.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
-        else:
-            out.log_probs = model.softmax.log_prob(flat).view(*input_ids.shape, -1)
-        return out
+        return model.output(hidden, mems, mem_mask, labels)

@@ -145,12 +145,22 @@ class TransformerXL(nn.Module):
         mem_mask: Tensor | None = None,
     ) -> TransformerXLOutput:
         hidden, new_mems, next_mask = self.transform(input_ids, mems, reset, mem_mask)
-        out = TransformerXLOutput(mems=new_mems, mem_mask=next_mask, hidden=hidden)
+        return self.output(hidden, new_mems, next_mask, labels)
+
+    def output(
+        self,
+        hidden: Tensor,
+        mems: list[Tensor],
+        mem_mask: Tensor | None,
+        labels: Tensor | None = None,
+    ) -> TransformerXLOutput:
+        """The output layer on hidden states [B, L, D]: per-token NLL, or log-probs."""
+        out = TransformerXLOutput(mems=mems, mem_mask=mem_mask, hidden=hidden)
         flat = hidden.reshape(-1, hidden.size(-1))
         if labels is not None:
             out.loss = self.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
         else:
-            out.log_probs = self.softmax.log_prob(flat).view(*input_ids.shape, -1)
+            out.log_probs = self.softmax.log_prob(flat).view(*hidden.shape[:2], -1)
         return out
 
     def transform(
