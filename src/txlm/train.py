@@ -363,8 +363,15 @@ class Trainer:
         params = list(self.model.parameters())  # tied tensors appear once
         o = config.optim
         opt_cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
+        # fused: one kernel per step over all tensors instead of ~10 ops per tensor (2-3% of
+        # a CPU step for the benchmark shapes; more on GPUs). Same update rule.
         self.optimizer = opt_cls(
-            params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+            params,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=all(p.is_floating_point() for p in params),
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.step = 0

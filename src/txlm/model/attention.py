@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
+from txlm.model.dropout import Dropout, dropout
 
 
 def rel_shift(x: Tensor) -> Tensor:
@@ -70,7 +71,7 @@ class RelativeAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
         self.out = nn.Linear(inner, config.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
 
         if self.attn_type == "xl":
             self.r_net = nn.Linear(config.d_model, inner, bias=False)  # W_kR
@@ -227,7 +228,7 @@ class RelativeAttention(nn.Module):
             probs = probs.to(val.dtype)
             if return_probs:
                 extras["probs"] = probs
-            probs = F.dropout(probs, self.dropatt, self.training)
+            probs = dropout(probs, self.dropatt, self.training)
             attn = probs @ val
 
         out = self.drop(self.out(attn.transpose(1, 2).flatten(2)))  # [B, L, D]
@@ -278,7 +279,7 @@ class PositionwiseFF(nn.Module):
         self.pre_lnorm = config.pre_lnorm
         self.fc1 = nn.Linear(config.d_model, config.d_inner)
         self.fc2 = nn.Linear(config.d_inner, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, h: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from txlm.config import ModelConfig
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
+from txlm.model.dropout import Dropout
 from txlm.model.mask import attention_mask
 from txlm.model.memory import empty_memory, update_memory
 from txlm.model.positional import relative_distances, sinusoid
@@ -57,7 +58,7 @@ class TransformerXL(nn.Module):
         c = config
         assert c.d_embed is not None
         self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
-        self.drop = nn.Dropout(c.dropout)
+        self.drop = Dropout(c.dropout)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
         if c.attn_type == "xl" and not c.untie_r:
             # Global content and position biases u, v, shared by all layers (Sec. 3.3).
