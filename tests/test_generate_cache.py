@@ -8,6 +8,7 @@ the memory starts trimming many times.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -195,3 +196,57 @@ def test_results_are_ordinary_tensors() -> None:
     weight = torch.ones(64, requires_grad=True)
     (out[2][0] * weight).sum().backward()  # saving it for backward is allowed
     assert torch.equal(weight.grad, out[2][0])
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element counts of dtype casts (``_to_copy``) made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    CASTS = (
+        torch.ops.aten._to_copy.default,
+        torch.ops.aten.to.dtype,
+        torch.ops.aten.to.dtype_layout,
+    )
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.CASTS and out is not args[0]:
+            self.sizes.append(args[0].numel())
+        return out
+
+
+def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
+    """Under CPU autocast the decoder prepares its weight copies in bf16 once (the cached
+    attention stays float32 on a CPU): a step casts no weight (it used to cast all of them,
+    and the cache window, every token) and still follows the float32 reference to bf16
+    accuracy."""
+    model = make_model(d_inner=96)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 64, (13,), generator=g).tolist()
+    cont = torch.randint(0, 64, (40,), generator=g).tolist()
+    ref = reference_log_probs(model, prompt, cont)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        dec = CachedDecoder(model)
+        rows = [dec.prefill([prompt])[0]]
+        casts = _Casts()
+        for i, tok in enumerate(cont[:-1]):
+            with casts if i == 20 else contextlib.nullcontext():
+                rows.append(dec.step(torch.tensor([tok]))[0])
+    got = torch.stack(rows)
+    assert dec.layers[0].qkv_t.dtype == torch.bfloat16  # weight products: autocast's dtype
+    assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
+    layer = model.layers[0]
+    linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)
+    smallest_weight = min(m.weight.numel() for m in linears)
+    assert casts.sizes and max(casts.sizes) < smallest_weight, casts.sizes
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
+    assert (got - ref).abs().max() > 0  # bf16 really ran
+
+    # outside autocast the same decoder goes back to float32 (weights and the cache)
+    step = dec.step(torch.tensor([cont[-1]]))
+    assert dec.cache.kv.dtype == torch.float32 and dec.layers[0].qkv_t.dtype == torch.float32
+    assert torch.isfinite(step).all()

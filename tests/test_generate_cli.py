@@ -74,6 +74,7 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
         (["--temperature", "-2"], "temperature"),
         (["--max-new-tokens", "-1"], "max-new-tokens"),
         (["--num-samples", "0"], "num-samples"),
+        (["--precision", "fp16"], "fp16 needs a GPU"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(flags, needle, char_ckpt, capsys) -> None:
@@ -96,6 +97,18 @@ def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:  # argparse: neither --prompt nor --prompt-file
         main(["generate", str(char_ckpt)])
     assert exc.value.code == 2
+
+
+def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys) -> None:
+    """--precision bf16 runs the decoder under autocast; greedy text starts as fp32's does
+    (bf16 rounding may flip a near-tie later, so only a prefix is compared)."""
+    argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--max-new-tokens", "8"]
+    samples = {}
+    for precision in ("fp32", "bf16"):
+        assert main([*argv, "--precision", precision, "--json"]) == 0
+        samples[precision] = json.loads(capsys.readouterr().out)["sample_ids"][0]
+    assert len(samples["bf16"]) == 8
+    assert samples["bf16"][:2] == samples["fp32"][:2]
 
 
 def test_greedy_with_temperature_zero_is_allowed(char_ckpt, capsys) -> None:

@@ -384,7 +384,7 @@ class UncachedDecoder(_Decoder):
         return self._segment(ids.view(-1, 1).to(self.device), None)[:, -1]
 
 
-def _t(weight: Tensor) -> Tensor:
+def _t(weight: Tensor, dtype: torch.dtype) -> Tensor:
     """W^T [in, out] of an nn.Linear weight [out, in], for ``x @ W^T`` with one row x.
 
     With one row the product is matrix-vector, bound by reading the weight, and on CPU (one
@@ -393,7 +393,7 @@ def _t(weight: Tensor) -> Tensor:
     ~50 us instead of ~120 us); when in > out (the second feed-forward layer) the weight as it
     is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder.
     """
-    weight = weight.detach()
+    weight = weight.detach().to(dtype)
     return weight.t().contiguous() if weight.size(0) > weight.size(1) else weight.t()
 
 
@@ -419,7 +419,12 @@ class _StepLayer:
     pos_emb: Tensor | None  # [D] absolute embedding of position 0 ("alrfou")
 
     @classmethod
-    def of(cls, layer: nn.Module, model: TransformerXL) -> _StepLayer:
+    def of(
+        cls, layer: nn.Module, model: TransformerXL, dtype: torch.dtype, attn_dtype: torch.dtype
+    ) -> _StepLayer:
+        """Weights and biases held in ``dtype``, the weight products' (autocast's, when on),
+        u and v in ``attn_dtype``, the attention's, so no step casts a parameter; LayerNorm
+        parameters stay as they are (LayerNorm runs in float32 under autocast)."""
         attn, ff = layer.attn, layer.ff
         u = v = None
         if attn.attn_type == "xl":  # per-layer biases (untie_r) or the model's shared ones
@@ -428,16 +433,16 @@ class _StepLayer:
             u = model.u if u is None else u
             v = model.v if v is None else v
         return cls(
-            qkv_t=_t(attn.qkv.weight),
-            out_t=_t(attn.out.weight),
-            fc1_t=_t(ff.fc1.weight),
-            fc1_b=ff.fc1.bias.detach(),
-            fc2_t=_t(ff.fc2.weight),
-            fc2_b=ff.fc2.bias.detach(),
+            qkv_t=_t(attn.qkv.weight, dtype),
+            out_t=_t(attn.out.weight, dtype),
+            fc1_t=_t(ff.fc1.weight, dtype),
+            fc1_b=ff.fc1.bias.detach().to(dtype),
+            fc2_t=_t(ff.fc2.weight, dtype),
+            fc2_b=ff.fc2.bias.detach().to(dtype),
             norm1=(attn.norm.weight.detach(), attn.norm.bias.detach(), attn.norm.eps),
             norm2=(ff.norm.weight.detach(), ff.norm.bias.detach(), ff.norm.eps),
-            u=None if u is None else u.detach(),
-            v=None if v is None else v.detach()[:, None],
+            u=None if u is None else u.detach().to(attn_dtype),
+            v=None if v is None else v.detach().to(attn_dtype)[:, None],
             scale=attn.scale,
             pos_emb=layer.pos_emb[0].detach() if hasattr(layer, "pos_emb") else None,
         )
@@ -452,7 +457,7 @@ class _OutputLayer:
     shortlist and one logit per tail cluster, plus each cluster's own log-softmax.
     """
 
-    def __init__(self, softmax: nn.Module) -> None:
+    def __init__(self, softmax: nn.Module, dtype: torch.dtype) -> None:
         self.n_clusters, self.shortlist, self.bounds = (
             softmax.n_clusters, softmax.shortlist, softmax.bounds,
         )  # fmt: skip
@@ -462,11 +467,12 @@ class _OutputLayer:
             if i == 0 and self.n_clusters:  # the head also scores the tail clusters
                 weight = torch.cat([weight, softmax.cluster_weight], dim=0)
                 bias = torch.cat([bias, softmax.cluster_bias], dim=0)
-            proj = None if proj is None else proj.detach()
-            self.clusters.append((proj, _t(weight), bias.detach()))
+            proj = None if proj is None else proj.detach().to(dtype)
+            self.clusters.append((proj, _t(weight, dtype), bias.detach().to(dtype)))
 
     def _logits(self, i: int, hidden: Tensor) -> Tensor:
         proj, weight_t, bias = self.clusters[i]
+        hidden = hidden.to(weight_t.dtype)  # explicit: also right where autocast is off
         if proj is not None:
             hidden = hidden @ proj  # [B, P] @ [P, E_i]
         return torch.addmm(bias, hidden, weight_t)
@@ -512,23 +518,54 @@ class CachedDecoder(_Decoder):
         super().__init__(model)
         c = self.config
         self.rel = c.attn_type in ("xl", "shaw")
+        self.pre_lnorm = c.pre_lnorm
+        emb = model.embed
+        plain = emb.div_val == 1 and not len(emb.projs)
+        self.embed_weight = emb.layers[0].weight.detach() if plain else None
+        self.compute_dtype: torch.dtype | None = None  # set by _prepare
+        self._prepare(self._autocast_dtype())
+
+    def _autocast_dtype(self) -> torch.dtype:
+        """The matmuls' dtype: autocast's when it is on for the model's device (and the
+        weights are float32), else the weights' own."""
+        device = self.device.type
+        if self.dtype == torch.float32 and torch.is_autocast_enabled(device):
+            return torch.get_autocast_dtype(device)
+        return self.dtype
+
+    @torch.no_grad()
+    def _prepare(self, dtype: torch.dtype) -> None:
+        """Hold the step's weights, position keys and cache in ``dtype``.
+
+        Under autocast a weight that is not a parameter (these are copies) would be cast on
+        every call, ~all the weights read twice per token, and a float32 cache would be cast
+        window by window: preparing in the autocast dtype once makes bf16 decoding cheaper
+        than float32 instead of ~2x dearer (benchmarks/compare.py, generate).
+        """
+        c = self.config
+        self.compute_dtype = dtype
+        half = dtype in (torch.float16, torch.bfloat16)
+        # The one-query attention over the cache is a matrix-vector product per head. On a
+        # CPU, bf16 ones are 3-5x slower than float32 (and need contiguous copies of the
+        # transposed keys), so there the cache, the position keys and that product stay in
+        # the weights' float32; autocast's dtype is kept for the weight products.
+        cpu_autocast = half and self.device.type == "cpu" and self.dtype == torch.float32
+        self.attn_dtype = torch.float32 if cpu_autocast else dtype
+        # float16/bfloat16 attention is normalised in float32 (as the model does)
+        self.softmax_dtype = torch.float32 if self.attn_dtype != torch.float32 else None
+        self.abs_pos = None
+        if c.attn_type == "vaswani":
+            self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(dtype)
+        self.layers = [
+            _StepLayer.of(layer, self.model, dtype, self.attn_dtype) for layer in self.model.layers
+        ]
+        self.head = _OutputLayer(self.model.softmax, dtype)
         self.tables: list[Tensor] = []
         self.span = -1  # largest distance the tables cover
         if self.rel:
             self._build_tables(c.mem_len + c.tgt_len)
-        self.pre_lnorm = c.pre_lnorm
-        # float16/bfloat16 attention is normalised in float32 (as the model does)
-        half = self.dtype in (torch.float16, torch.bfloat16)
-        self.softmax_dtype = torch.float32 if half else None
-        self.abs_pos = None
-        if c.attn_type == "vaswani":
-            self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(self.dtype)
-        emb = model.embed
-        plain = emb.div_val == 1 and not len(emb.projs)
-        self.embed_weight = emb.layers[0].weight.detach() if plain else None
-        with torch.no_grad():  # copies of the weights, outside any autograd graph
-            self.layers = [_StepLayer.of(layer, model) for layer in model.layers]
-            self.head = _OutputLayer(model.softmax)
+        if getattr(self, "cache", None) is not None and self.cache.kv.dtype != self.attn_dtype:
+            self.cache.kv = self.cache.kv.to(self.attn_dtype)  # autocast switched between calls
 
     @torch.no_grad()
     def _build_tables(self, span: int) -> None:
@@ -547,17 +584,20 @@ class CachedDecoder(_Decoder):
         else:  # shaw: learned rows, clipped into the table like TransformerXL.transform
             limit = min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
             pos = dist.clamp(max=limit)
-        # contiguous [H, span + 2, Dh]: a slice is then one dense block per head
-        self.tables = [
-            layer.attn.position_keys(pos).to(self.dtype).contiguous() for layer in self.model.layers
-        ]
+        # contiguous [H, span + 2, Dh]: a slice is then one dense block per head. Computed in
+        # the weights' dtype (not autocast's), then held in the attention's.
+        with torch.autocast(self.device.type, enabled=False):
+            self.tables = [
+                layer.attn.position_keys(pos).to(self.attn_dtype).contiguous()
+                for layer in self.model.layers
+            ]
         self.span = span
 
     def _begin(self, batch: int) -> None:
         c = self.config
         self.cache = KVCache(
             c.n_layer, batch, c.n_head, c.d_head, c.mem_len,
-            slack=max(c.tgt_len, 256), device=self.device, dtype=self.dtype,
+            slack=max(c.tgt_len, 256), device=self.device, dtype=self.attn_dtype,
         )  # fmt: skip
         self.masked = False  # True once some memory position may be invisible (padding)
 
@@ -569,6 +609,9 @@ class CachedDecoder(_Decoder):
         (version counters, views), which at ~150 small operations a step is measurable
         (~5-10% of a step of the small model). The cache is built and only ever written in
         this mode; the result is copied out so that callers get an ordinary tensor."""
+        dtype = self._autocast_dtype()
+        if dtype != self.compute_dtype:
+            self._prepare(dtype)
         with torch.inference_mode():
             out = fn()
         return out.clone()
@@ -598,8 +641,7 @@ class CachedDecoder(_Decoder):
         out for a one-row product (``_StepLayer``) instead of module calls.
         """
         c, cache = self.config, self.cache
-        batch, n_head, d_head = ids.size(0), c.n_head, c.d_head
-        bh = batch * n_head
+        batch = ids.size(0)
         if self.embed_weight is not None:  # the module's arithmetic without its call overhead
             h = F.embedding(ids, self.embed_weight) * self.model.embed.scale  # [B, D]
         else:  # adaptive input embeddings
@@ -622,14 +664,46 @@ class CachedDecoder(_Decoder):
             blocked = ~cache.valid[:, None, lo : e + 1]  # [B, 1, K] over heads
 
         kv, keys_of, values_of = cache.layer_views()
+        args = (h, kv, keys_of, values_of, e, lo, nk, blocked)
+        if self.compute_dtype == self.attn_dtype == h.dtype:  # one dtype: no casts at all
+            h = self._layers_one_token(*args, None, None)
+        else:  # explicit dtypes, autocast off (see _layers_one_token)
+            with torch.autocast(self.device.type, enabled=False):
+                h = self._layers_one_token(*args, self.compute_dtype, self.attn_dtype)
+        cache.advance(1)
+        return h
+
+    def _layers_one_token(
+        self,
+        h: Tensor,
+        kv: list[Tensor],
+        keys_of: list[Tensor],
+        values_of: list[Tensor],
+        e: int,
+        lo: int,
+        nk: int,
+        blocked: Tensor | None,
+        wd: torch.dtype | None,
+        ad: torch.dtype | None,
+    ) -> Tensor:
+        """The layers of ``_one_token`` for h [B, D]: the query at cache column ``e`` attends
+        to columns [lo, lo + nk).
+
+        With mixed precision, ``wd`` is the weight products' dtype and ``ad`` the attention's;
+        the residual stream and LayerNorm keep h's (as under autocast). ``None``: everything
+        is in h's dtype already, and the step skips the casts (a step is ~150 small calls).
+        """
+        c = self.config
+        batch, n_head, d_head = h.size(0), c.n_head, c.d_head
+        bh = batch * n_head
         dim = (c.d_model,)  # LayerNorm's normalised shape
         for n, w in enumerate(self.layers):
             if w.pos_emb is not None:  # "alrfou"
                 h = h + w.pos_emb
             x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
-            qkv = torch.mm(x, w.qkv_t).view(batch, 3, n_head, d_head)
+            qkv = torch.mm(x if wd is None else x.to(wd), w.qkv_t).view(batch, 3, n_head, d_head)
             kv[n].select(3, e).copy_(qkv[:, 1:].transpose(0, 1))  # this token's key, value
-            q = qkv[:, 0]  # [B, H, Dh]
+            q = qkv[:, 0] if ad is None else qkv[:, 0].to(ad)  # [B, H, Dh]
             keys = keys_of[n].narrow(1, lo, nk)  # [B H, K, Dh]
             values = values_of[n].narrow(1, lo, nk)
             qc = (q if w.u is None else q + w.u).reshape(bh, 1, d_head)
@@ -653,16 +727,17 @@ class CachedDecoder(_Decoder):
             if self.softmax_dtype is None:
                 probs = torch.softmax(scores, dim=-1)
             else:  # half precision normalised in float32, as the model does
-                probs = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(h.dtype)
-            out = torch.mm(torch.bmm(probs, values).view(batch, n_head * d_head), w.out_t)
+                probs = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype).to(values.dtype)
+            attn = torch.bmm(probs, values).view(batch, n_head * d_head)
+            out = torch.mm(attn if wd is None else attn.to(wd), w.out_t)
             if self.pre_lnorm:
                 h = h + out
                 x = torch.layer_norm(h, dim, *w.norm2)
             else:
                 h = x = torch.layer_norm(h + out, dim, *w.norm1)
+            x = x if wd is None else x.to(wd)
             f = torch.addmm(w.fc2_b, torch.addmm(w.fc1_b, x, w.fc1_t).relu_(), w.fc2_t)
             h = h + f if self.pre_lnorm else torch.layer_norm(h + f, dim, *w.norm2)
-        cache.advance(1)
         return h
 
     def _forward(self, ids: Tensor, reset: Tensor | None, *, last_only: bool = False) -> Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from txlm.checkpoint import load
 from txlm.errors import CheckpointError, ConfigError
+from txlm.evaluate import autocast
 from txlm.generate import SamplingConfig, stream
 from txlm.score import checkpoint_vocab
 
@@ -57,6 +58,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
     p.add_argument("--clamp-len", type=int, default=None, metavar="N")
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="autocast for the matmuls (fp16: GPU only); default fp32",
+    )
     p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -157,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no GPU is available")
+    if args.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("--precision fp16 needs a GPU; use bf16 on CPU")
 
     model = load(args.checkpoint, device=device)
     vocab = checkpoint_vocab(args.checkpoint)
@@ -199,14 +208,15 @@ def run(args: argparse.Namespace) -> int:
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
     )  # fmt: skip
-    for t, tokens in enumerate(steps):
-        n_new = t + 1
-        final = n_new == args.max_new_tokens
-        for s, tid in zip(streams, tokens.tolist(), strict=True):
-            if live:
-                s.push(int(tid), final=final)
-            else:
-                s.ids.append(int(tid))
+    with autocast(device, args.precision):  # the generator runs inside: each step too
+        for t, tokens in enumerate(steps):
+            n_new = t + 1
+            final = n_new == args.max_new_tokens
+            for s, tid in zip(streams, tokens.tolist(), strict=True):
+                if live:
+                    s.push(int(tid), final=final)
+                else:
+                    s.ids.append(int(tid))
     elapsed = time.perf_counter() - began
     rate = n_new * len(rows) / elapsed if elapsed > 0 else 0.0
 
