@@ -25,7 +25,8 @@ from compare import SHAPES, build_pair, make_eval, make_train
 GROUPS = {
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::baddbmm_"),
     "fused_attention": ("aten::_scaled_dot_product",),
-    "dropout_rng": ("aten::bernoulli_",),
+    # bernoulli_: F.dropout's mask; random_ / shifts / and: txlm.model.dropout's packed mask
+    "dropout_rng": ("aten::bernoulli_", "aten::random_", "aten::__rshift__", "aten::bitwise_and"),
     "softmax": (
         "aten::_softmax",
         "aten::_softmax_backward_data",
