@@ -70,6 +70,22 @@ def test_run_writes_checkpoints_metrics_and_results(run):
     assert "sample (top-40" in r.stdout and "test: loss" in r.stdout
 
 
+def test_end_of_run_sample_is_what_generate_gives_for_the_same_seed(run, monkeypatch, capsys):
+    """The sample printed at the end of training comes from `best` with the run's seed and
+    the checkpoint's lengths: `txlm generate` reproduces it token for token (40 tokens with
+    memory 16 run well past the point where the memory trims)."""
+    root, _, out, _ = run
+    results = json.loads((out / "results.json").read_text())
+    seed = json.loads((out / "best" / "config.json").read_text())["train"]["run"]["seed"]
+    code, stdout, err = _main(
+        ["generate", str(out / "best"), "--prompt", "HAMLET.", "--max-new-tokens", "40",
+         "--seed", str(seed), "--json"],
+        root, monkeypatch, capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "HAMLET." + json.loads(stdout)["samples"][0] == results["sample"]
+
+
 def _main(args: list[str], root, monkeypatch, capsys) -> tuple[int, str, str]:
     """``txlm ARGS`` in this process (cheaper than a subprocess for the quick cases)."""
     from txlm.cli import main

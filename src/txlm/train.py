@@ -840,12 +840,16 @@ class Trainer:
                 e.sample_tokens,
                 top_k=e.sample_top_k,
                 seed=self.config.run.seed,
-                mem_len=e.eval_mem_len,
+                # the checkpoint's own memory length, as `txlm generate CKPT` uses it: the
+                # same seed then gives the same text there (the evaluation memory, longer,
+                # changed the draws once the context outgrew the training memory)
             )
             out["sample"] = text
             out["sample_seconds"] = time.perf_counter() - t0
             if self.echo:
-                print(f"sample (top-{e.sample_top_k}, {e.sample_tokens} tokens):\n{text}")
+                seed = self.config.run.seed
+                print(f"sample (top-{e.sample_top_k}, {e.sample_tokens} tokens, seed {seed}):")
+                print(text)
         return out
 
 
