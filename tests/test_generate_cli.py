@@ -19,6 +19,8 @@ import torch
 import txlm
 from txlm.cli import main
 from txlm.config import ModelConfig
+from txlm.errors import ConfigError
+from txlm.generate import SamplingConfig, stream
 from txlm.model import TransformerXL
 from txlm.score import score, score_file
 
@@ -225,3 +227,52 @@ def test_several_prompts_in_one_batch(word_ckpt, capsys) -> None:
         assert main([*base, f"--prompt={p}"]) == 0
         alone = json.loads(capsys.readouterr().out)["sample_ids"][0]
         assert out["sample_ids"][2 * i] == out["sample_ids"][2 * i + 1] == alone
+
+
+def test_stop_id_ends_each_row_at_its_first_stop() -> None:
+    """Rows stop independently at their first stop id (kept), the stream pads finished rows
+    and ends when all have stopped, and the tokens before a stop are those of a run without
+    one (stopping changes no draw)."""
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=12)).eval()
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    free = txlm.generate(model, prompts, max_new_tokens=40, seed=3, top_k=None)
+    # a stop id that rows draw at different steps, and some row draws late or never
+    counts = Counter(t for row in free for t in row)
+    stop = next(t for t, _ in counts.most_common() if len({r.index(t) for r in free if t in r}) > 1)
+    stopped = txlm.generate(model, prompts, max_new_tokens=40, seed=3, top_k=None, stop_id=stop)
+    for row, full in zip(stopped, free, strict=True):
+        if stop in full:
+            k = full.index(stop)
+            assert row == full[: k + 1]  # same draws, cut after the first stop
+        else:
+            assert row == full  # never stopped: the whole budget
+    sampling = SamplingConfig(top_k=None)
+    steps = list(stream(model, prompts, max_new_tokens=40, seed=3, stop_id=stop, sampling=sampling))
+    finished_at = [full.index(stop) if stop in full else 39 for full in free]
+    assert len(steps) == max(finished_at) + 1
+    for r, k in enumerate(finished_at):
+        assert all(int(s[r]) == stop for s in steps[k:])  # padding after the stop
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        txlm.generate(model, [1], max_new_tokens=2, stop_id=12)
+
+
+def test_cli_stop_at_eos(word_ckpt, char_ckpt, capsys) -> None:
+    vocab = Vocab.load(word_ckpt / "vocab.json")
+    eos = vocab.eos_id
+    assert eos is not None
+    argv = ["generate", str(word_ckpt), "--prompt", "the cat", "--max-new-tokens", "60",
+            "--seed", "2", "--num-samples", "4", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    free = json.loads(capsys.readouterr().out)["sample_ids"]
+    assert main([*argv, "--stop-at-eos"]) == 0
+    stopped = json.loads(capsys.readouterr().out)["sample_ids"]
+    assert any(eos in row for row in free)  # the check below is not vacuous
+    for row, full in zip(stopped, free, strict=True):
+        assert row == (full[: full.index(eos) + 1] if eos in full else full)
+    # character vocabulary: a newline ends the sample
+    assert main(["generate", str(char_ckpt), "--prompt", "ab", "--max-new-tokens", "80",
+                 "--seed", "1", "--stop-at-eos", "--json"]) == 0  # fmt: skip
+    text = json.loads(capsys.readouterr().out)["samples"][0]
+    assert "\n" not in text[:-1]
+    assert text.endswith("\n") or len(text) == 80

@@ -826,14 +826,23 @@ def stream(
     start_id: int | None = None,
     use_cache: bool = True,
     generator: torch.Generator | None = None,
+    stop_id: int | None = None,
 ) -> Iterator[Tensor]:
     """Yield the new tokens one step at a time: [B] ids per step, B = prompts x num_samples
-    (prompt-major: the samples of prompt 0 first)."""
+    (prompt-major: the samples of prompt 0 first).
+
+    ``stop_id``: a row that has drawn it is finished; from then on it yields ``stop_id``
+    again (padding) and the stream ends once every row is finished.
+    """
     sampling = sampling or SamplingConfig()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max-new-tokens must be a non-negative integer, got {max_new_tokens!r}")
     rows, _ = _as_rows(prompts)
     rows = _expand(rows, num_samples)
+    if stop_id is not None and not 0 <= stop_id < model.config.vocab_size:
+        raise ConfigError(
+            f"stop id {stop_id} is outside the vocabulary (size {model.config.vocab_size})"
+        )
     was_training = model.training
     model.eval()  # dropout off: the cache is only exact for a deterministic forward
     try:
@@ -847,9 +856,15 @@ def stream(
         if max_new_tokens == 0:
             return
         scores = decoder.prefill_scores(rows, start_id=start_id)
+        finished = torch.zeros(len(rows), dtype=torch.bool, device=decoder.device)
         for t in range(max_new_tokens):
             tokens = sample(scores, sampling, generator)
+            if stop_id is not None:
+                tokens = tokens.masked_fill(finished, stop_id)
+                finished |= tokens == stop_id
             yield tokens
+            if stop_id is not None and bool(finished.all()):
+                return
             if t + 1 < max_new_tokens:
                 scores = decoder.step_scores(tokens)
     finally:
@@ -870,6 +885,7 @@ def generate(
     num_samples: int = 1,
     start_id: int | None = None,
     use_cache: bool = True,
+    stop_id: int | None = None,
 ) -> list[int] | list[list[int]]:
     """Sample continuations; returns the new ids only.
 
@@ -877,6 +893,7 @@ def generate(
     ``num_samples`` > 1: one list per sample); several prompts (a list of lists or a 2-D
     tensor) -> one list per row, prompt-major. Sampling options as in ``SamplingConfig``
     (``sampling`` overrides the keyword ones). The same ``seed`` gives the same ids.
+    ``stop_id`` (e.g. the vocabulary's ``<eos>``): each row ends with the first one it draws.
     """
     if sampling is None:
         sampling = SamplingConfig(top_k=top_k, top_p=top_p, temperature=temperature, greedy=greedy)
@@ -884,9 +901,11 @@ def generate(
     steps = list(
         stream(
             model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-            num_samples=num_samples, start_id=start_id, use_cache=use_cache,
+            num_samples=num_samples, start_id=start_id, use_cache=use_cache, stop_id=stop_id,
         )
     )  # fmt: skip
     batch = (1 if single else len(_as_rows(prompts)[0])) * num_samples
     out = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(batch)]
+    if stop_id is not None:  # drop the padding after each row's stop
+        out = [r[: r.index(stop_id) + 1] if stop_id in r else r for r in out]
     return out[0] if single and num_samples == 1 else out

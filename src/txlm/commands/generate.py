@@ -66,6 +66,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
+    p.add_argument(
+        "--stop-at-eos",
+        action="store_true",
+        help="end each sample at <eos> (character/byte vocabularies: at a newline)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 
@@ -75,6 +80,15 @@ def start_token(vocab: Any) -> int | None:
     for tid in (vocab.eos_id, vocab.bos_id):
         if tid is not None:
             return int(tid)
+    newline = "10" if vocab.level == "byte" else "\n"
+    return vocab.id_of(newline) if newline in vocab else None
+
+
+def end_token(vocab: Any) -> int | None:
+    """What ends a sample with --stop-at-eos: ``<eos>``, or a newline where the vocabulary
+    has no ``<eos>`` (character and byte corpora mark line ends that way)."""
+    if vocab.eos_id is not None:
+        return int(vocab.eos_id)
     newline = "10" if vocab.level == "byte" else "\n"
     return vocab.id_of(newline) if newline in vocab else None
 
@@ -188,6 +202,11 @@ def run(args: argparse.Namespace) -> int:
             )
             ids = ids[-args.max_context :]
         prompts.append(ids)
+    stop = None
+    if args.stop_at_eos:
+        stop = end_token(vocab)
+        if stop is None:
+            raise ConfigError("--stop-at-eos: the vocabulary has neither <eos> nor a newline")
     start = start_token(vocab)
     if start is None and not all(prompts):
         raise ConfigError("empty prompt, and the vocabulary has no symbol to start from")
@@ -207,18 +226,22 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
+        stop_id=stop,
     )  # fmt: skip
     with autocast(device, args.precision):  # the generator runs inside: each step too
         for t, tokens in enumerate(steps):
             n_new = t + 1
             final = n_new == args.max_new_tokens
             for s, tid in zip(streams, tokens.tolist(), strict=True):
+                if stop is not None and s.ids and s.ids[-1] == stop:
+                    continue  # this row has ended; the stream pads it
                 if live:
-                    s.push(int(tid), final=final)
+                    s.push(int(tid), final=final or tid == stop)
                 else:
                     s.ids.append(int(tid))
     elapsed = time.perf_counter() - began
-    rate = n_new * len(rows) / elapsed if elapsed > 0 else 0.0
+    produced = sum(len(s.ids) for s in streams)  # rows stopped at <eos> count what they drew
+    rate = produced / elapsed if elapsed > 0 else 0.0
 
     if args.json:
         result = {
@@ -241,5 +264,5 @@ def run(args: argparse.Namespace) -> int:
             which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
             sys.stdout.write(f"=== {which} (seed {seed}) ===\n{texts[i]}{s.text()}\n")
     sys.stdout.flush()
-    sys.stderr.write(f"txlm: {n_new * len(rows)} tokens in {elapsed:.2f}s ({rate:.1f}/s)\n")
+    sys.stderr.write(f"txlm: {produced} tokens in {elapsed:.2f}s ({rate:.1f}/s)\n")
     return 0
