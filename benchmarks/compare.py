@@ -425,6 +425,15 @@ def main(argv: list[str] | None = None) -> int:
             "hf_tokens_per_s": round(w.tokens / med["hf"], 1),
             "txlm_tokens_per_s": round(w.tokens / med["txlm"], 1),
             "speedup": round(med["hf"] / med["txlm"], 2),
+            # each round's own ratio (the two libraries ran back to back): the spread
+            "speedup_rounds": [
+                round(h / t, 2)
+                for h, t in zip(
+                    times[(shape, dtype, w.name, "hf")],
+                    times[(shape, dtype, w.name, "txlm")],
+                    strict=True,
+                )
+            ],
             "rounds": len(times[(shape, dtype, w.name, "hf")]),
         }
         if "txlm_kv" in med:  # evaluation with the memory's keys/values kept

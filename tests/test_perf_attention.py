@@ -144,3 +144,24 @@ def test_bf16_autocast_training_close_to_float32(impl):
     out16b.loss.mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
     torch.testing.assert_close(out16.loss, out32.loss, atol=0.05, rtol=0.02)
+
+
+@pytest.mark.parametrize("attn_impl", ["sdpa", "math"])
+def test_training_projects_the_memory_apart_with_the_same_gradients(attn_impl):
+    """With a constant memory, training projects it in its own product (no input gradient for
+    its rows); the weights' gradients equal those of the joint [memory; segment] product,
+    which runs when the memory itself asks for a gradient."""
+    model = make_model(attn_impl=attn_impl).train()
+    x = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(4))
+    mems = [m.detach() for m in model(x).mems]
+    grads = []
+    for needs_grad in (False, True):
+        model.zero_grad(set_to_none=True)
+        feed = [m.clone().requires_grad_(needs_grad) for m in mems]
+        out = model(x.flip(1), mems=feed, labels=x)
+        out.loss.mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert grads[0]["layers.0.attn.qkv.weight"].abs().sum() > 0

@@ -199,6 +199,26 @@ class RelativeAttention(nn.Module):
             q, k_cur, v_cur = (self._heads(t) for t in self.qkv(x_cur).chunk(3, dim=-1))
             k = torch.cat([past_kv[0], k_cur], dim=2)
             val = torch.cat([past_kv[1], v_cur], dim=2)
+        elif (
+            mem is not None
+            and mem.size(1) > 0
+            and not self.pre_lnorm
+            and x_cur.requires_grad
+            and not mem.requires_grad
+        ):
+            # Training with memory: the memory is a constant (stop-gradient, Sec. 3.2), so
+            # project it on its own. Projecting [memory; segment] in one product would make
+            # the backward compute an input gradient for the M memory rows only to drop it:
+            # 2 B M D 2I FLOPs per layer, ~4% of a step. (Pre-LN needs that gradient for
+            # its LayerNorm's parameters, so it takes the general path below.)
+            inner = self.n_head * self.d_head
+            # this segment's queries, keys, values in one product; one split, whose backward
+            # is a single concatenation (two slices would each zero-fill a [B, L, 3I] grad)
+            q_cur, kv_cur = self.qkv(x_cur).split([inner, 2 * inner], dim=-1)
+            kv = torch.cat([F.linear(mem, w_kv), kv_cur], dim=1)  # [B, K, 2I]
+            q = self._heads(q_cur)
+            k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
+            k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
         else:
             q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
             if mem is not None and mem.size(1) > 0:

@@ -1,0 +1,89 @@
+"""The benchmark scripts run, and their FLOP accounting (the MFU denominator) is right."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import flop_counter
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import compare
+
+SMALL = compare.Shape("t", n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128, batch=2,
+                      tgt_len=16, mem_len=16)  # fmt: skip
+
+
+def _counted(fn) -> int:
+    # torch's counter knows baddbmm but not its in-place form, which the score path uses
+    def baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return flop_counter.bmm_flop(a_shape, b_shape)
+
+    custom = {torch.ops.aten.baddbmm_: baddbmm_}
+    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def test_forward_flops_match_the_ops_the_model_runs():
+    """compare.forward_flops equals what torch's FLOP counter sees in txlm's forward with a
+    full memory (math attention path, so every product is a plain matmul)."""
+    _, tx = compare.build_pair(SMALL)
+    tx.config = tx.config.replace(attn_impl="math")
+    for layer in tx.layers:
+        layer.attn.attn_impl = "math"
+    tx.eval()
+    ids = torch.randint(0, SMALL.vocab, (SMALL.batch, SMALL.tgt_len))
+    with torch.no_grad():
+        mems = tx(ids).mems
+        counted = _counted(lambda: tx(ids, mems=mems))
+    assert counted == compare.forward_flops(SMALL, SMALL.mem_len)
+
+
+def test_train_flops_are_forward_and_backward_less_the_memory_input_gradient():
+    _, tx = compare.build_pair(SMALL)
+    tx.config = tx.config.replace(attn_impl="math")
+    for layer in tx.layers:
+        layer.attn.attn_impl = "math"
+    tx.train()
+    for module in tx.modules():  # dropout does no matmul work; keep the count exact
+        if hasattr(module, "p"):
+            module.p = 0.0
+    ids = torch.randint(0, SMALL.vocab, (SMALL.batch, SMALL.tgt_len))
+    mems = tx(ids).mems
+
+    def step():
+        tx(ids, mems=mems, labels=ids).loss.mean().backward()
+
+    counted = _counted(step)
+    # Backward = 2x forward, except for inputs that need no gradient: the memory's rows of
+    # the key/value projection (what train_flops subtracts: txlm projects the memory apart
+    # so that it is really skipped) and R in W_kR R (a constant; not subtracted there).
+    no_grad_r = (
+        SMALL.n_layer
+        * 2
+        * (SMALL.mem_len + SMALL.tgt_len + 1)
+        * SMALL.d_model
+        * (SMALL.n_head * SMALL.d_head)
+    )
+    assert counted == compare.train_flops(SMALL) - no_grad_r
+
+
+@pytest.mark.slow
+def test_compare_quick_run_writes_ratios(tmp_path):
+    out = tmp_path / "compare.json"
+    argv = ["--quick", "--configs", "cpu", "--dtypes", "fp32", "--rounds", "1",
+            "--workloads", "train,eval_m128", "--threads", "1", "--out", str(out)]  # fmt: skip
+    assert compare.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["parity_max_abs_logprob_diff"]["cpu"] < 1e-4
+    rows = {r["workload"]: r for r in result["results"]}
+    assert set(rows) == {"train", "eval_m128"}
+    for row in rows.values():
+        assert row["speedup"] > 0 and len(row["speedup_rounds"]) == row["rounds"] == 1
+        assert 0 < row["txlm_mfu"] < 5
+    assert "speedup_kv" in rows["eval_m128"]
