@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -87,3 +88,28 @@ def test_compare_quick_run_writes_ratios(tmp_path):
         assert row["speedup"] > 0 and len(row["speedup_rounds"]) == row["rounds"] == 1
         assert 0 < row["txlm_mfu"] < 5
     assert "speedup_kv" in rows["eval_m128"]
+
+
+def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+    """The prepared device script (benchmarks/gpu_check.py) runs end to end on a tiny shape,
+    so a session that is lent a GPU can run it as it is."""
+    import gpu_check
+
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["parity_max_abs_logprob_diff_vs_cpu"] == 0.0  # CPU against itself
+    assert [r["precision"] for r in result["train"]] == ["fp32", "bf16"]
+    for row in result["train"]:
+        assert row["tokens_per_s"] > 0 and row["tflops"] > 0
+        assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
+    assert all(v["kv_cache_tokens_per_s"] > 0 for v in result["eval"].values())
+    assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}
+
+
+def test_gpu_check_synthetic_stream_is_a_fixed_function():
+    import gpu_check
+
+    ids = gpu_check.synthetic_stream(5000, 3, 40, seed=0)
+    assert ids.shape == (3, 40) and int(ids.max()) < 1000
+    assert torch.equal(ids[:, 1:], (7 * ids[:, :-1] + 3) % 1000)
