@@ -101,14 +101,26 @@ def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
     assert exc.value.code == 2
 
 
-def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys) -> None:
-    """--precision bf16 runs the decoder under autocast; greedy text starts as fp32's does
-    (bf16 rounding may flip a near-tie later, so only a prefix is compared)."""
+def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys, monkeypatch) -> None:
+    """--precision bf16 runs the decoder under autocast (its weight products in bf16); greedy
+    text starts as fp32's does (bf16 rounding may flip a near-tie later: a prefix only)."""
+    from txlm.generate import CachedDecoder
+
+    prepared: list[torch.dtype] = []
+    original = CachedDecoder._prepare
+
+    def recording(self, dtype):
+        prepared.append(dtype)
+        return original(self, dtype)
+
+    monkeypatch.setattr(CachedDecoder, "_prepare", recording)
     argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--max-new-tokens", "8"]
     samples = {}
     for precision in ("fp32", "bf16"):
+        prepared.clear()
         assert main([*argv, "--precision", precision, "--json"]) == 0
         samples[precision] = json.loads(capsys.readouterr().out)["sample_ids"][0]
+        assert prepared == [torch.float32 if precision == "fp32" else torch.bfloat16]
     assert len(samples["bf16"]) == 8
     assert samples["bf16"][:2] == samples["fp32"][:2]
 
@@ -237,7 +249,7 @@ def test_stop_id_ends_each_row_at_its_first_stop() -> None:
     model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=12)).eval()
     prompts = [[1, 2, 3], [4, 5], [6]]
     free = txlm.generate(model, prompts, max_new_tokens=40, seed=3, top_k=None)
-    # a stop id that rows draw at different steps, and some row draws late or never
+    # a stop id that the rows draw at different steps (so they stop independently)
     counts = Counter(t for row in free for t in row)
     stop = next(t for t, _ in counts.most_common() if len({r.index(t) for r in free if t in r}) > 1)
     stopped = txlm.generate(model, prompts, max_new_tokens=40, seed=3, top_k=None, stop_id=stop)
@@ -249,10 +261,11 @@ def test_stop_id_ends_each_row_at_its_first_stop() -> None:
             assert row == full  # never stopped: the whole budget
     sampling = SamplingConfig(top_k=None)
     steps = list(stream(model, prompts, max_new_tokens=40, seed=3, stop_id=stop, sampling=sampling))
-    finished_at = [full.index(stop) if stop in full else 39 for full in free]
-    assert len(steps) == max(finished_at) + 1
-    for r, k in enumerate(finished_at):
-        assert all(int(s[r]) == stop for s in steps[k:])  # padding after the stop
+    stops = [full.index(stop) if stop in full else None for full in free]
+    assert len(steps) == (40 if None in stops else max(stops) + 1)
+    for r, k in enumerate(stops):
+        if k is not None:
+            assert all(int(s[r]) == stop for s in steps[k:])  # padding after the stop
     with pytest.raises(ConfigError, match="outside the vocabulary"):
         txlm.generate(model, [1], max_new_tokens=2, stop_id=12)
 
@@ -276,3 +289,19 @@ def test_cli_stop_at_eos(word_ckpt, char_ckpt, capsys) -> None:
     text = json.loads(capsys.readouterr().out)["samples"][0]
     assert "\n" not in text[:-1]
     assert text.endswith("\n") or len(text) == 80
+
+
+@pytest.mark.parametrize("prompt", ["the cat", ""])
+def test_end_of_training_sample_reads_prompts_as_the_cli(word_ckpt, capsys, prompt) -> None:
+    """txlm.train.sample_text (the sample printed when training ends) and `txlm generate`
+    read a word-level prompt alike (no <eos> after an unfinished line; an empty prompt starts
+    from <eos>): the same seed gives the same ids."""
+    from txlm.prompts import encode_prompt
+    from txlm.train import sample_text
+
+    model, vocab = txlm.load(word_ckpt), Vocab.load(word_ckpt / "vocab.json")
+    text = sample_text(model, vocab, prompt, 12, seed=4)
+    argv = ["generate", str(word_ckpt), "--prompt", prompt, "--max-new-tokens", "12"]
+    assert main([*argv, "--seed", "4", "--json"]) == 0
+    new = json.loads(capsys.readouterr().out)["sample_ids"][0]
+    assert text == vocab.decode(encode_prompt(vocab, prompt)[0] + new)

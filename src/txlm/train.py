@@ -47,6 +47,7 @@ from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, ConfigError, TxlmError
 from txlm.evaluate import autocast, evaluate_tokens, metric_value
 from txlm.model import TransformerXL
+from txlm.prompts import encode_prompt, start_token
 from txlm.train_config import TrainConfig
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -205,14 +206,15 @@ def sample_text(
     reads the prompt in segments and carries memory; ``mem_len`` overrides the model's."""
     from txlm.generate import generate
 
-    try:
-        ids = [int(i) for i in vocab.encode(prompt)] if prompt else []
+    try:  # read as `txlm generate` reads a prompt, so the same seed gives the same text there
+        ids = encode_prompt(vocab, prompt)[0] if prompt else []
     except TxlmError:  # a prompt the vocabulary cannot spell: sample unconditioned
         ids, prompt = [], ""
     saved = model.config
     model.set_lengths(mem_len=mem_len)
     try:
-        start_id = None if ids else (vocab.eos_id if vocab.eos_id is not None else 0)
+        start = start_token(vocab)
+        start_id = None if ids else (start if start is not None else 0)
         new = generate(
             model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id
         )
@@ -364,14 +366,15 @@ class Trainer:
         o = config.optim
         opt_cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
         # fused: one kernel per step over all tensors instead of ~10 ops per tensor (2-3% of
-        # a CPU step for the benchmark shapes; more on GPUs). Same update rule.
+        # a CPU step for the benchmark shapes; more on GPUs), on CPU and CUDA alike. Same
+        # update rule. (A resumed checkpoint keeps the setting it was saved with.)
         self.optimizer = opt_cls(
             params,
             lr=o.lr,
             betas=(o.beta1, o.beta2),
             eps=o.eps,
             weight_decay=o.weight_decay,
-            fused=all(p.is_floating_point() for p in params),
+            fused=True,
         )
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.step = 0
@@ -840,9 +843,10 @@ class Trainer:
                 e.sample_tokens,
                 top_k=e.sample_top_k,
                 seed=self.config.run.seed,
-                # the checkpoint's own memory length, as `txlm generate CKPT` uses it: the
-                # same seed then gives the same text there (the evaluation memory, longer,
-                # changed the draws once the context outgrew the training memory)
+                # the checkpoint's own memory length, as `txlm generate CKPT` uses it (with
+                # the prompt read as it reads it): the same seed then gives the same text
+                # there (the evaluation memory, longer, changed the draws once the context
+                # outgrew the training memory)
             )
             out["sample"] = text
             out["sample_seconds"] = time.perf_counter() - t0

@@ -22,6 +22,7 @@ from txlm.checkpoint import load
 from txlm.errors import CheckpointError, ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import SamplingConfig, stream
+from txlm.prompts import encode_prompt, end_token, start_token
 from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
@@ -73,48 +74,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
-
-
-def start_token(vocab: Any) -> int | None:
-    """What an empty prompt starts from: a symbol that precedes new text in the corpora."""
-    for tid in (vocab.eos_id, vocab.bos_id):
-        if tid is not None:
-            return int(tid)
-    newline = "10" if vocab.level == "byte" else "\n"
-    return vocab.id_of(newline) if newline in vocab else None
-
-
-def end_token(vocab: Any) -> int | None:
-    """What ends a sample with --stop-at-eos: ``<eos>``, or a newline where the vocabulary
-    has no ``<eos>`` (character and byte corpora mark line ends that way)."""
-    if vocab.eos_id is not None:
-        return int(vocab.eos_id)
-    newline = "10" if vocab.level == "byte" else "\n"
-    return vocab.id_of(newline) if newline in vocab else None
-
-
-def encode_prompt(vocab: Any, text: str) -> tuple[list[int], int]:
-    """Prompt ids and how many symbols became ``<unk>``.
-
-    Word level: the vocabulary ends every line with ``<eos>``; an unfinished last line (no
-    trailing newline) must stay open, so its ``<eos>`` is dropped.
-    """
-    ids = [int(i) for i in vocab.encode(text)]
-    if (
-        vocab.level == "word"
-        and ids
-        and vocab.eos_id is not None
-        and ids[-1] == vocab.eos_id
-        and not text.endswith(("\n", "\r"))
-    ):
-        ids.pop()
-    if vocab.level == "word":
-        n_unk = sum(1 for w in text.split() if w not in vocab)
-    elif vocab.level == "char":
-        n_unk = sum(1 for ch in text if ch not in vocab)
-    else:  # bytes: every value is a symbol
-        n_unk = 0
-    return ids, n_unk
 
 
 class _TextStream:
@@ -249,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             "seed": seed,
             "prompt_tokens": [len(p) for p in prompts],
             "new_tokens": n_new,
+            "new_tokens_per_sample": [len(s.ids) for s in streams],  # fewer where one stopped
             "samples": [s.text() for s in streams],
             "sample_ids": [s.ids for s in streams],
             "seconds": round(elapsed, 4),
@@ -258,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if live:
         streams[0].flush(final=True)
-        sys.stdout.write("\n")
+        if not streams[0].text().endswith("\n"):  # a sample stopped at a newline has one
+            sys.stdout.write("\n")
     else:
         for (i, j), s in zip(rows, streams, strict=True):
             which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"

@@ -1,0 +1,50 @@
+"""Prompts as the CLI and the end-of-training sample read them: text -> ids, and the tokens
+that start an empty prompt and end a sample. One place, so ``txlm train``'s closing sample
+and ``txlm generate`` with the same seed give the same text.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def start_token(vocab: Any) -> int | None:
+    """What an empty prompt starts from: a symbol that precedes new text in the corpora."""
+    for tid in (vocab.eos_id, vocab.bos_id):
+        if tid is not None:
+            return int(tid)
+    newline = "10" if vocab.level == "byte" else "\n"
+    return vocab.id_of(newline) if newline in vocab else None
+
+
+def end_token(vocab: Any) -> int | None:
+    """What ends a sample with --stop-at-eos: ``<eos>``, or a newline where the vocabulary
+    has no ``<eos>`` (character and byte corpora mark line ends that way)."""
+    if vocab.eos_id is not None:
+        return int(vocab.eos_id)
+    newline = "10" if vocab.level == "byte" else "\n"
+    return vocab.id_of(newline) if newline in vocab else None
+
+
+def encode_prompt(vocab: Any, text: str) -> tuple[list[int], int]:
+    """Prompt ids and how many symbols became ``<unk>``.
+
+    Word level: the vocabulary ends every line with ``<eos>``; an unfinished last line (no
+    trailing newline) must stay open, so its ``<eos>`` is dropped.
+    """
+    ids = [int(i) for i in vocab.encode(text)]
+    if (
+        vocab.level == "word"
+        and ids
+        and vocab.eos_id is not None
+        and ids[-1] == vocab.eos_id
+        and not text.endswith(("\n", "\r"))
+    ):
+        ids.pop()
+    if vocab.level == "word":
+        n_unk = sum(1 for w in text.split() if w not in vocab)
+    elif vocab.level == "char":
+        n_unk = sum(1 for ch in text if ch not in vocab)
+    else:  # bytes: every value is a symbol
+        n_unk = 0
+    return ids, n_unk
