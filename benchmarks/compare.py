@@ -25,8 +25,9 @@ D d_model, I = H * Dh, F d_inner, V vocabulary, n layers:
   forward = n * [ 2BL*D*I (queries) + 2BK*D*2I (keys/values of memory and segment)
                   + 2(K+1)*D*I (W_kR R) + 2BL*K*I * 2 + 2BL*(K+1)*I (scores, positions, values)
                   + 2BL*I*D (output) + 4BL*D*F (feed-forward) ] + 2BL*D*V (softmax)
-  train   = 3 * forward - n * 2BM*D*2I   (backward = 2x forward, except that the detached
-                                          memory needs no input gradient of its K/V projection)
+  train   = 3 * forward - n * [2BM*D*2I + 2(K+1)*D*I]   (backward = 2x forward, except
+            that the detached memory needs no input gradient of its K/V projection, nor
+            the constant R of W_kR R)
 
 Peak memory is the largest number of bytes held at once by tensors created during one step
 (counted by a dispatch mode that sees every op's outputs), in a separate, untimed run.
@@ -110,8 +111,13 @@ def forward_flops(s: Shape, mem: int, batch: int | None = None, qlen: int | None
 
 
 def train_flops(s: Shape) -> float:
+    """3x the forward, less the input gradients nothing needs: the memory's rows of the K/V
+    projection (the memory is a constant) and R in W_kR R (a constant table)."""
     inner = s.n_head * s.d_head
-    no_input_grad = s.n_layer * 2 * s.batch * s.mem_len * s.d_model * 2 * inner
+    klen = s.mem_len + s.tgt_len
+    no_input_grad = s.n_layer * (
+        2 * s.batch * s.mem_len * s.d_model * 2 * inner + 2 * (klen + 1) * s.d_model * inner
+    )
     return 3 * forward_flops(s, s.mem_len) - no_input_grad
 
 

@@ -14,7 +14,7 @@ In order, into benchmarks/results/gpu_check.json (``--out``):
    precision, peak memory, first and last loss;
 3. evaluation: forward tokens/s with 4x the training memory, plain and with the K/V cache;
 4. generation: batch 1, ``--new`` tokens after a 512-token context, cached decoder, fp32 and
-   bf16: tokens/s.
+   bf16: tokens/s, and how far bf16's first-step log-probs are from fp32's.
 Every figure is the device's own; nothing here compares against another library.
 """
 
@@ -28,9 +28,11 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -51,10 +53,11 @@ def sync(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def precision(device: torch.device, name: str):
-    """fp32: TF32 off; tf32: TF32 matmuls; bf16: autocast (TF32 off)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = name == "tf32"
+def precision(device: torch.device, name: str) -> Iterator[None]:
+    """fp32: float32 matmuls ("highest"); tf32: TF32 allowed ("high"); bf16: autocast with
+    float32 elsewhere. Through torch's public matmul-precision setting (no effect on CPUs)."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if name == "tf32" else "highest")
     try:
         if name == "bf16":
             with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -62,7 +65,7 @@ def precision(device: torch.device, name: str):
         else:
             yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        torch.set_float32_matmul_precision(saved)
 
 
 def matmul_peak(device: torch.device, name: str, n: int) -> float:
@@ -113,7 +116,7 @@ def parity(config: ModelConfig, device: torch.device) -> float:
     return worst
 
 
-def count_flops(fn) -> int:
+def count_flops(fn: Callable[[], object]) -> int:
     def baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
         return flop_counter.bmm_flop(a_shape, b_shape)  # the in-place form is not registered
 
@@ -122,7 +125,9 @@ def count_flops(fn) -> int:
     return c.get_total_flops()
 
 
-def train(config, device, name, batch, steps, peak) -> dict:
+def train(
+    config: ModelConfig, device: torch.device, name: str, batch: int, steps: int, peak: float
+) -> dict:
     model = build(config, device).train()
     opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, fused=True)
     length = config.tgt_len * (steps + 1)
@@ -161,7 +166,8 @@ def train(config, device, name, batch, steps, peak) -> dict:
         "steps": steps + 2,
         "tokens_per_s": round(batch * config.tgt_len / sec, 1),
         "ms_per_step": round(sec * 1e3, 2),
-        "tflops": round(flops / sec / 1e12, 3),
+        "flops_per_step": flops,
+        "tflops": round(flops / sec / 1e12, 4),
         "mfu": round(flops / sec / 1e9 / peak, 3),
         "loss_first": round(first, 4),
         "loss_last": round(statistics.mean(losses[-5:]), 4),
@@ -172,7 +178,15 @@ def train(config, device, name, batch, steps, peak) -> dict:
     return row
 
 
-def evaluate(config, device, batch, mem, kv: bool, name: str, segments: int = 6) -> float:
+def evaluate(
+    config: ModelConfig,
+    device: torch.device,
+    batch: int,
+    mem: int,
+    kv: bool,
+    name: str,
+    segments: int = 6,
+) -> float:
     model = build(config, device).eval()
     model.set_lengths(mem_len=mem)
     runner = CachedEvaluator(model) if kv else None
@@ -193,26 +207,33 @@ def evaluate(config, device, batch, mem, kv: bool, name: str, segments: int = 6)
     return round(batch * config.tgt_len / statistics.median(times), 1)
 
 
-def generate(config, device, name: str, new: int, context: int = 512) -> float:
+def generate(
+    config: ModelConfig, device: torch.device, name: str, new: int, context: int = 512
+) -> tuple[float, Tensor]:
+    """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps (to compare
+    precisions on the same prompt)."""
     model = build(config, device).eval()
     model.set_lengths(mem_len=max(config.mem_len, context))
-    prompt = torch.randint(0, config.vocab_size, (context,)).tolist()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
+    rows = []
     with torch.no_grad(), precision(device, name):
         dec = CachedDecoder(model)
         logp = dec.prefill([prompt])
         sync(device)
         t0 = time.perf_counter()
         for _ in range(new):
+            rows.append(logp[0])
             logp = dec.step(logp.argmax(-1))
         sync(device)
-    return round(new / (time.perf_counter() - t0), 1)
+    return round(new / (time.perf_counter() - t0), 1), torch.stack(rows).float().cpu()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="wt103-base")
-    ap.add_argument("--batch", type=int, default=None, help="default: the preset's (wt103: 60)")
+    ap.add_argument("--batch", type=int, default=60, help="rows per step (the paper's wt103: 60)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--new", type=int, default=128, help="generated tokens per measurement")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few steps (a smoke run)")
@@ -229,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         precisions = ("fp32", "bf16")
     else:
         config = ModelConfig.from_preset(args.preset)
-        preset_batch = txlm.PRESETS[args.preset].train.get("data", {}).get("batch_size", 60)
-        batch, steps, new, peak_n = args.batch or preset_batch, args.steps, args.new, 8192
+        batch, steps, new, peak_n = args.batch, args.steps, args.new, 8192
         precisions = PRECISIONS if device.type == "cuda" else ("fp32", "bf16")
 
     peaks = {p: round(matmul_peak(device, p, peak_n), 1) for p in precisions}
@@ -253,9 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         }
         for p in precisions
     }
-    result["generate_tokens_per_s"] = {
-        p: generate(config, device, p, new) for p in precisions if p != "tf32"
-    }
+    decoded = {p: generate(config, device, p, new) for p in ("fp32", "bf16")}
+    result["generate_tokens_per_s"] = {p: rate for p, (rate, _) in decoded.items()}
+    # bf16 against fp32 on the same prompt, first step (later ones may follow other tokens)
+    first = [logp[0] for _, logp in decoded.values()]
+    result["generate_bf16_first_step_max_abs_logprob_diff"] = (
+        (first[0] - first[1]).abs().max().item()
+    )
     result["wall_s"] = round(time.perf_counter() - start, 1)
     text = json.dumps(result, indent=2)
     print(text)

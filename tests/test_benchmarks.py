@@ -45,7 +45,7 @@ def test_forward_flops_match_the_ops_the_model_runs():
     assert counted == compare.forward_flops(SMALL, SMALL.mem_len)
 
 
-def test_train_flops_are_forward_and_backward_less_the_memory_input_gradient():
+def test_train_flops_are_forward_and_backward_less_the_unneeded_input_gradients():
     _, tx = compare.build_pair(SMALL)
     tx.config = tx.config.replace(attn_impl="math")
     for layer in tx.layers:
@@ -60,18 +60,10 @@ def test_train_flops_are_forward_and_backward_less_the_memory_input_gradient():
     def step():
         tx(ids, mems=mems, labels=ids).loss.mean().backward()
 
-    counted = _counted(step)
     # Backward = 2x forward, except for inputs that need no gradient: the memory's rows of
-    # the key/value projection (what train_flops subtracts: txlm projects the memory apart
-    # so that it is really skipped) and R in W_kR R (a constant; not subtracted there).
-    no_grad_r = (
-        SMALL.n_layer
-        * 2
-        * (SMALL.mem_len + SMALL.tgt_len + 1)
-        * SMALL.d_model
-        * (SMALL.n_head * SMALL.d_head)
-    )
-    assert counted == compare.train_flops(SMALL) - no_grad_r
+    # the key/value projection (txlm projects the memory apart so that this is really
+    # skipped) and R in W_kR R.
+    assert _counted(step) == compare.train_flops(SMALL)
 
 
 @pytest.mark.slow
@@ -101,7 +93,7 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     assert result["parity_max_abs_logprob_diff_vs_cpu"] == 0.0  # CPU against itself
     assert [r["precision"] for r in result["train"]] == ["fp32", "bf16"]
     for row in result["train"]:
-        assert row["tokens_per_s"] > 0 and row["tflops"] > 0
+        assert row["tokens_per_s"] > 0 and row["flops_per_step"] > 1e6
         assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
     assert all(v["kv_cache_tokens_per_s"] > 0 for v in result["eval"].values())
     assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}

@@ -391,7 +391,8 @@ def _t(weight: Tensor, dtype: torch.dtype) -> Tensor:
     thread, MKL) its speed depends on the layout: when out > in a contiguous [in, out] copy
     is 2-3x faster (10k x 256 output layer: ~0.17-0.35 ms instead of ~0.3-1.1 ms; 1024 x 256:
     ~50 us instead of ~120 us); when in > out (the second feed-forward layer) the weight as it
-    is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder.
+    is, viewed transposed, is faster; square ones run alike. The copy is made once per decoder
+    (again only if the autocast dtype changes, see ``CachedDecoder._prepare``).
     """
     weight = weight.detach().to(dtype)
     return weight.t().contiguous() if weight.size(0) > weight.size(1) else weight.t()
@@ -523,6 +524,7 @@ class CachedDecoder(_Decoder):
         plain = emb.div_val == 1 and not len(emb.projs)
         self.embed_weight = emb.layers[0].weight.detach() if plain else None
         self.compute_dtype: torch.dtype | None = None  # set by _prepare
+        self.cache: KVCache | None = None  # made per prefill, by _begin
         self._prepare(self._autocast_dtype())
 
     def _autocast_dtype(self) -> torch.dtype:
@@ -535,7 +537,8 @@ class CachedDecoder(_Decoder):
 
     @torch.no_grad()
     def _prepare(self, dtype: torch.dtype) -> None:
-        """Hold the step's weights, position keys and cache in ``dtype``.
+        """Hold the step's weight copies in ``dtype`` (the weight products'), and the position
+        keys and cache in ``attn_dtype`` (the same, except float32 on a CPU under autocast).
 
         Under autocast a weight that is not a parameter (these are copies) would be cast on
         every call, ~all the weights read twice per token, and a float32 cache would be cast
@@ -555,7 +558,8 @@ class CachedDecoder(_Decoder):
         self.softmax_dtype = torch.float32 if self.attn_dtype != torch.float32 else None
         self.abs_pos = None
         if c.attn_type == "vaswani":
-            self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(dtype)
+            # added to the residual stream, which keeps the weights' dtype
+            self.abs_pos = sinusoid(torch.zeros(1, device=self.device), c.d_model).to(self.dtype)
         self.layers = [
             _StepLayer.of(layer, self.model, dtype, self.attn_dtype) for layer in self.model.layers
         ]
@@ -564,7 +568,7 @@ class CachedDecoder(_Decoder):
         self.span = -1  # largest distance the tables cover
         if self.rel:
             self._build_tables(c.mem_len + c.tgt_len)
-        if getattr(self, "cache", None) is not None and self.cache.kv.dtype != self.attn_dtype:
+        if self.cache is not None and self.cache.kv.dtype != self.attn_dtype:
             self.cache.kv = self.cache.kv.to(self.attn_dtype)  # autocast switched between calls
 
     @torch.no_grad()

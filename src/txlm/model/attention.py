@@ -278,16 +278,16 @@ class RelativeAttention(nn.Module):
         v: Tensor | None,
     ) -> Tensor:
         """Fused path: (a)+(c) inside scaled_dot_product_attention, (b)+(d) as additive bias."""
-        dropout = self.dropatt if self.training else 0.0
+        p_drop = self.dropatt if self.training else 0.0
         if rk is None:
-            return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=dropout)
+            return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=p_drop)
         # One pass builds the bias: the scale goes onto the queries ([B, H, L, Dh]) and the
         # mask is added as 0/-inf, instead of a scale pass and a masked_fill pass.
         qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(k.dtype)
         bias = rel_shift(qp @ rk.transpose(-1, -2)) + _additive_mask(mask, k.dtype)
         qc = q if u is None else q + u[:, None, :]
         return F.scaled_dot_product_attention(
-            qc, k, val, attn_mask=bias, dropout_p=dropout, scale=self.scale
+            qc, k, val, attn_mask=bias, dropout_p=p_drop, scale=self.scale
         )
 
 

@@ -9,7 +9,8 @@ elements costs N/3 draws and a few vectorised integer passes.
 
 The drop probability is rounded to a multiple of 2**-21 (at most 2.4e-7 away from the one
 asked for) and the kept values are scaled by the exact inverse of the rounded keep
-probability, so every output's expectation equals its input, as with ``F.dropout``.
+probability, so every output's expectation equals its input, as with ``F.dropout`` (in
+half precision up to the rounding of that scale, as there too).
 
 The mask comes from torch's global CPU generator, so ``torch.manual_seed`` and saved RNG states
 (exact resume) govern it as they govern ``F.dropout``. On other devices ``F.dropout`` already
