@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from txlm.convert import hf_config_to_model_config, load_hf_state_dict
+from txlm.data.vocab import write_text_atomic
 from txlm.generate import CachedDecoder, SamplingConfig, UncachedDecoder, sample
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
@@ -209,10 +210,7 @@ def main() -> int:
         result["shapes"][name] = bench_shape(name, shape, 1 if args.quick else args.rounds)
     result["seconds"] = round(time.perf_counter() - began, 1)
     text = json.dumps(result, indent=2)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(args.out)
+    write_text_atomic(args.out, text + "\n")
     print(text)
     return 0
 

@@ -58,6 +58,7 @@ from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
+from txlm.data.vocab import write_text_atomic
 from txlm.model.kv_eval import CachedEvaluator
 
 try:  # the generation issue's cached decoder (branch `generate`)
@@ -490,10 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(args.out)
+    write_text_atomic(args.out, text + "\n")
     return 0
 
 

@@ -38,6 +38,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import txlm
 from txlm.config import ModelConfig
+from txlm.data.vocab import write_text_atomic
 from txlm.generate import CachedDecoder
 from txlm.model.kv_eval import CachedEvaluator
 
@@ -283,10 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = round(time.perf_counter() - start, 1)
     text = json.dumps(result, indent=2)
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(text + "\n")
-    tmp.replace(args.out)
+    write_text_atomic(args.out, text + "\n")
     return 0
 
 
