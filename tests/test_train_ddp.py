@@ -1,5 +1,6 @@
 """DDP on CPU (gloo): 2 processes x 2 rows follow the same loss curve as 1 process x 4 rows,
-and so does 1 process accumulating gradients over 2 chunks of 2 rows."""
+and so does 1 process accumulating gradients over 2 chunks of 2 rows; a 2-process run stopped
+and resumed equals one that ran straight through, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from _train_helpers import FAST, REPO, env, metrics, tiny_text, txlm, weights
 
 pytestmark = pytest.mark.slow
 
 
-def _args(text, out) -> list[str]:
+def _args(text, out, dropout: float = 0.0) -> list[str]:
     return [
         "train",
         "--preset",
@@ -25,7 +27,7 @@ def _args(text, out) -> list[str]:
         *FAST,
         f"data.dataset=text:{text}",
         "data.batch_size=4",  # global
-        "model.dropout=0.0",
+        f"model.dropout={dropout}",
         "optim.max_steps=6",
         "eval.eval_interval=0",
         "eval.final_eval=false",
@@ -33,29 +35,21 @@ def _args(text, out) -> list[str]:
     ]
 
 
+def _torchrun(args: list[str], data_dir) -> subprocess.CompletedProcess:
+    """``txlm ARGS`` under torchrun with 2 processes on this machine."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "txlm", *args],
+        cwd=REPO, env=env(data_dir), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
 def test_two_processes_match_one(tmp_path):
     text = tiny_text(tmp_path)
     one, two, accum = tmp_path / "one", tmp_path / "two", tmp_path / "accum"
     r = txlm(_args(text, one), tmp_path)
     assert r.returncode == 0, r.stderr
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "-m",
-            "txlm",
-            *_args(text, two),
-        ],
-        cwd=REPO,
-        env=env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    r = _torchrun(_args(text, two), tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "2 process(es)" in r.stdout
     r = txlm([*_args(text, accum), "optim.grad_accum=2"], tmp_path)
@@ -72,3 +66,29 @@ def test_two_processes_match_one(tmp_path):
         wa, wb = weights(one / "last"), weights(other / "last")
         for name in wa:
             torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=1e-4)
+
+
+def test_two_process_run_resumes_bit_for_bit(tmp_path):
+    """Stopped at step 3 and resumed with --resume under torchrun, a 2-process run with
+    dropout ends with the weights, Adam moments and losses of a straight 6-step run: each
+    rank gets back its RNG state, its rows' memory and its place in the stream."""
+    text = tiny_text(tmp_path)
+    straight, paused = tmp_path / "straight", tmp_path / "paused"
+    r = _torchrun(_args(text, straight, dropout=0.2), tmp_path)  # dropout: RNG state matters
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun([*_args(text, paused, dropout=0.2), "run.stop_at=3"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = _torchrun(["train", "--resume", str(paused / "last"), "--set", "run.stop_at=null"],
+                  tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed at step 3" in r.stdout
+
+    wa, wb = weights(straight / "last"), weights(paused / "last")
+    assert wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    oa = load_file(str(straight / "last" / "optimizer.safetensors"))
+    ob = load_file(str(paused / "last" / "optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+    la = [(m["step"], m["loss"]) for m in metrics(straight)]
+    lb = [(m["step"], m["loss"]) for m in metrics(paused)]
+    assert la == lb and [s for s, _ in la] == list(range(1, 7))
