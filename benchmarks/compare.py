@@ -11,7 +11,7 @@ What is measured, per config and dtype (bf16 = CPU autocast for both libraries):
             memory already full, carried from segment to segment;
 - generate  greedy decoding of one row, one token at a time with long memory (mem_len 512,
             a 512-token context read first, not timed, so the memory is full). txlm uses
-            its cached decoder (txlm.generate.CachedDecoder) when installed, else its forward.
+            its cached decoder (txlm.generate.CachedDecoder).
 - eval with txlm_kv: the same evaluation through txlm.model.kv_eval.CachedEvaluator.
 Every workload alternates between the two libraries round by round (order flipped each
 round) and reports medians over rounds: the machine is shared and noisy, so only figures
@@ -59,12 +59,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
 from txlm.data.vocab import write_text_atomic
+from txlm.generate import CachedDecoder
 from txlm.model.kv_eval import CachedEvaluator
-
-try:  # the generation issue's cached decoder (branch `generate`)
-    from txlm.generate import CachedDecoder
-except ImportError:  # pragma: no cover - depends on what is merged
-    CachedDecoder = None
 
 RESULTS = Path(__file__).parent / "results" / "compare.json"
 
@@ -267,24 +263,13 @@ def make_generate(lib: str, model, s: Shape, dtype: str, new: int) -> Callable[[
                 for _ in range(new):
                     out = model(tok, mems=out.mems)
                     tok = out.prediction_scores[:, -1].argmax(-1, keepdim=True)
-            elif CachedDecoder is not None:
+            else:
                 model.set_lengths(mem_len=GEN_MEM)
                 dec = CachedDecoder(model)
                 logp = dec.prefill(context.tolist())
                 t0 = time.perf_counter()
                 for _ in range(new):
                     logp = dec.step(logp.argmax(-1))
-            else:  # no cache yet: the model's own forward with hidden-state memory
-                model.set_lengths(mem_len=GEN_MEM)
-                mems = None
-                for seg in context.split(s.tgt_len, dim=1):
-                    out = model(seg, mems=mems)
-                    mems = out.mems
-                tok = out.log_probs[:, -1].argmax(-1, keepdim=True)
-                t0 = time.perf_counter()
-                for _ in range(new):
-                    out = model(tok, mems=out.mems)
-                    tok = out.log_probs[:, -1].argmax(-1, keepdim=True)
         run.elapsed = time.perf_counter() - t0  # type: ignore[attr-defined]
 
     return run
@@ -454,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             if dtype == "bf16" and peak_bf16:
                 row["txlm_mfu_bf16_peak"] = round(w.flops / med["txlm"] / 1e9 / peak_bf16, 3)
         if w.name == "generate":
-            row["txlm_kv_cache"] = CachedDecoder is not None
+            row["txlm_kv_cache"] = True
         rows.append(row)
 
     memory = []

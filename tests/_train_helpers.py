@@ -64,6 +64,25 @@ def weights(directory: Path) -> dict:
     return load_file(str(directory / "model.safetensors"))
 
 
+def assert_same_run(straight: Path, paused: Path, steps: int) -> None:
+    """A run stopped and resumed ended exactly as one that ran straight through: weights and
+    Adam moments bit for bit, and the same (step, loss) records, one per step 1..steps."""
+    import torch
+    from safetensors.torch import load_file
+
+    a, b = weights(straight / "last"), weights(paused / "last")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    oa = load_file(str(straight / "last" / "optimizer.safetensors"))
+    ob = load_file(str(paused / "last" / "optimizer.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa)
+    # The metrics of the resumed run continue the file without duplicates.
+    la = [(m["step"], m["loss"]) for m in metrics(straight)]
+    lb = [(m["step"], m["loss"]) for m in metrics(paused)]
+    assert la == lb and [s for s, _ in la] == list(range(1, steps + 1))
+
+
 def split_tokens(data_dir: Path, name: str, split: str) -> np.ndarray:
     from txlm.data import load_prepared
 

@@ -9,25 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils import flop_counter
-from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import compare
+import gpu_check
 
 SMALL = compare.Shape("t", n_layer=2, d_model=64, n_head=4, d_head=16, d_inner=128, batch=2,
                       tgt_len=16, mem_len=16)  # fmt: skip
 
 
-def _counted(fn) -> int:
-    # torch's counter knows baddbmm but not its in-place form, which the score path uses
-    def baddbmm_(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-        return flop_counter.bmm_flop(a_shape, b_shape)
-
-    custom = {torch.ops.aten.baddbmm_: baddbmm_}
-    with FlopCounterMode(display=False, custom_mapping=custom) as counter:
-        fn()
-    return counter.get_total_flops()
+_counted = gpu_check.count_flops  # torch's FLOP counter, with the in-place baddbmm_ known
 
 
 def test_forward_flops_match_the_ops_the_model_runs():
@@ -85,8 +76,6 @@ def test_compare_quick_run_writes_ratios(tmp_path):
 def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     """The prepared device script (benchmarks/gpu_check.py) runs end to end on a tiny shape,
     so a session that is lent a GPU can run it as it is."""
-    import gpu_check
-
     out = tmp_path / "gpu.json"
     assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
@@ -100,8 +89,6 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
 
 
 def test_gpu_check_synthetic_stream_is_a_fixed_function():
-    import gpu_check
-
     ids = gpu_check.synthetic_stream(5000, 3, 40, seed=0)
     assert ids.shape == (3, 40) and int(ids.max()) < 1000
     assert torch.equal(ids[:, 1:], (7 * ids[:, :-1] + 3) % 1000)

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from _train_helpers import FAST, REPO, env, metrics, tiny_text, txlm, weights
+from _train_helpers import FAST, REPO, assert_same_run, env, metrics, tiny_text, txlm, weights
 
 pytestmark = pytest.mark.slow
 
@@ -83,12 +82,4 @@ def test_two_process_run_resumes_bit_for_bit(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resumed at step 3" in r.stdout
 
-    wa, wb = weights(straight / "last"), weights(paused / "last")
-    assert wa.keys() == wb.keys()
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    oa = load_file(str(straight / "last" / "optimizer.safetensors"))
-    ob = load_file(str(paused / "last" / "optimizer.safetensors"))
-    assert all(torch.equal(oa[k], ob[k]) for k in oa)
-    la = [(m["step"], m["loss"]) for m in metrics(straight)]
-    lb = [(m["step"], m["loss"]) for m in metrics(paused)]
-    assert la == lb and [s for s, _ in la] == list(range(1, 7))
+    assert_same_run(straight, paused, steps=6)

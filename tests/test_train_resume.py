@@ -6,10 +6,9 @@ import json
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from _train_helpers import FAST, metrics, tiny_text, txlm, weights
+from _train_helpers import FAST, assert_same_run, tiny_text, txlm
 
 pytestmark = pytest.mark.slow
 
@@ -53,17 +52,7 @@ def test_resume_is_bitwise_exact(data, capsys):
     assert r.returncode == 0, r.stderr
     assert "resumed at step 5" in r.stdout
 
-    a, b = weights(straight / "last"), weights(paused / "last")
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    oa = load_file(str(straight / "last" / "optimizer.safetensors"))
-    ob = load_file(str(paused / "last" / "optimizer.safetensors"))
-    assert all(torch.equal(oa[k], ob[k]) for k in oa)
-    # The metrics of the resumed run continue the file without duplicates.
-    la = [(m["step"], m["loss"]) for m in metrics(straight)]
-    lb = [(m["step"], m["loss"]) for m in metrics(paused)]
-    assert la == lb and [s for s, _ in la] == list(range(1, 9))
+    assert_same_run(straight, paused, steps=8)
     # Changing the model on resume is refused with one line.
     from txlm.cli import main
 
