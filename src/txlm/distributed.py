@@ -55,8 +55,7 @@ def active() -> bool:
 
 
 def shutdown() -> None:
-    """Leave the process group together: a rank that tore its group down while rank 0 was
-    still writing the checkpoint was seen to abort at exit (gloo, SIGABRT)."""
+    """Leave the process group together, once every rank is done with its writes."""
     if active():
         dist.barrier()
         dist.destroy_process_group()
