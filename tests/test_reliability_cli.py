@@ -131,7 +131,6 @@ class Case:
     setup: Setup | None = None
     uses: tuple[str, ...] = ()  # assets copied into the working directory
     pickle: bool = False  # a crafted pickle is involved: MARKER must never appear
-    xfail: str | None = None  # a known defect in another area (strict: fixing it flips this)
 
     @property
     def command(self) -> str:
@@ -846,14 +845,7 @@ def check_result(case: Case, rc: int, out: str, err: str, before: dict, after: d
 
 @pytest.mark.parametrize(
     "case",
-    [
-        pytest.param(
-            c,
-            id=c.id,
-            marks=[pytest.mark.xfail(strict=True, reason=c.xfail)] if c.xfail else [],
-        )
-        for c in CASES
-    ],
+    [pytest.param(c, id=c.id) for c in CASES],
 )
 def test_bad_input(case: Case, assets: Path, runner: Runner, tmp_path: Path) -> None:
     work, io_dir = _prepare_workdir(case, assets, tmp_path)

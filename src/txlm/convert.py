@@ -49,6 +49,7 @@ from torch import Tensor
 
 from txlm.checkpoint import _BUILD_DIRECTLY_BELOW, _rough_parameter_count, save
 from txlm.config import ModelConfig
+from txlm.data.vocab import Vocab
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
 from txlm.model.positional import inverse_frequencies
@@ -358,30 +359,6 @@ def load_hf_state_dict(state: dict[str, Tensor], config: ModelConfig) -> Transfo
 # -- vocabulary -----------------------------------------------------------------------------
 
 
-def _vocab_json(symbols: list[str], unk: str | None, eos: str | None) -> str:
-    """The data pipeline's word-level vocab.json (txlm.data.vocab.Vocab.to_json)."""
-    try:
-        from txlm.data.vocab import Vocab
-    except ImportError:  # the data package is not installed alongside: same format by hand
-        import hashlib
-
-        payload = json.dumps({"level": "word", "symbols": symbols}, ensure_ascii=True)
-        return json.dumps(
-            {
-                "format": "txlm-vocab",
-                "version": 1,
-                "level": "word",
-                "unk": unk,
-                "eos": eos,
-                "bos": None,
-                "fingerprint": hashlib.sha256(payload.encode("ascii")).hexdigest()[:16],
-                "symbols": symbols,
-            },
-            ensure_ascii=False,
-        )
-    return Vocab(symbols, "word", unk=unk, eos=eos).to_json()
-
-
 def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
     """vocab.json text and tokenizer notes from a pickled TransfoXLTokenizer dict."""
     obj = load_pickled_object(path)
@@ -412,7 +389,7 @@ def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
         for k in ("lower_case", "delimiter", "special", "min_freq", "max_size")
         if k in obj and isinstance(obj[k], str | int | float | bool | list | type(None))
     }
-    return _vocab_json(symbols, unk, eos), notes
+    return Vocab(symbols, "word", unk=unk, eos=eos).to_json(), notes
 
 
 # -- the whole conversion -------------------------------------------------------------------

@@ -18,7 +18,6 @@ i (key index M + i) and key j, the distance d = M + i - j and accumulate the pro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -354,9 +353,3 @@ def plot_terms(maps: AttentionMaps, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def entropy_bits(maps: AttentionMaps) -> Tensor:
-    """[N, H] entropy (bits) of each head's average distribution: another span measure."""
-    p = maps.mean.clamp_min(1e-12)
-    return -(maps.mean * p.log()).sum(-1) / math.log(2)
