@@ -122,7 +122,7 @@ def time_hf(hf, prompt: torch.Tensor, new: int, seed: int) -> float:
 
 def time_txlm(model: TransformerXL, prompt: list[int], new: int, seed: int, cache: bool) -> float:
     t = time.perf_counter()
-    out = txlm_generate(model, prompt, max_new_tokens=new, seed=seed, use_cache=cache)
+    [out] = txlm_generate(model, prompt, max_new_tokens=new, seed=seed, use_cache=cache)
     seconds = time.perf_counter() - t
     assert len(out) == new
     return seconds

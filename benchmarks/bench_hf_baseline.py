@@ -130,7 +130,7 @@ class Runner:
             loss = out.loss
         else:
             out = self.model(x, mems=self.train_mems, labels=y)
-            loss = out.loss.mean()
+            loss = out.loss
         self.train_mems = out.mems
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -206,7 +206,7 @@ def make_train(lib: str, model, s: Shape, dtype: str) -> Callable[[], None]:
                 loss = out.loss
             else:  # txlm: per-token NLL
                 out = model(ids, mems=state["mems"], labels=ids)
-                loss = out.loss.mean()
+                loss = out.loss
         loss.backward()
         opt.step()
         state["mems"] = out.mems

@@ -143,7 +143,7 @@ def train(
         opt.zero_grad(set_to_none=True)
         with precision(device, name):
             out = model(ids, mems=state["mems"], labels=labels)
-            loss = out.loss.float().mean()
+            loss = out.loss.float()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
         opt.step()

@@ -101,7 +101,7 @@ def stream_model(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
             # .item(): the running figure is a Python float, never a tensor chained across
             # segments (a tensor sum would be harmless under no_grad, but a float is the habit
             # that stays harmless when someone removes the no_grad).
-            total_nll += out.loss.sum().item()
+            total_nll += out.losses.sum().item()
             done = s + 1
             if done == args.warmup:
                 base = settle()

@@ -88,7 +88,7 @@ def test_token_losses_use_exactly_c_tokens_of_context():
     t, c = int(targets[4]), 8
     with torch.no_grad():
         out = model(stream[t - c : t][None], labels=stream[t - c + 1 : t + 1][None])
-    assert losses[1, 4] == pytest.approx(float(out.loss[0, -1]), abs=1e-5)
+    assert losses[1, 4] == pytest.approx(float(out.losses[0, -1]), abs=1e-5)
     # tokens before t - c do not matter; tokens inside the window do
     changed = stream.clone()
     changed[: t - c] = (changed[: t - c] + 1) % 64

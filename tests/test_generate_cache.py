@@ -159,7 +159,7 @@ def test_batch_of_different_lengths_equals_each_row_alone() -> None:
         torch.testing.assert_close(batched[b], alone, atol=ATOL, rtol=0)
     # and greedy generation of the batch equals generating each prompt alone
     together = generate(model, prompts, max_new_tokens=20, greedy=True)
-    assert together == [generate(model, p, max_new_tokens=20, greedy=True) for p in prompts]
+    assert together == [generate(model, p, max_new_tokens=20, greedy=True)[0] for p in prompts]
 
 
 def test_model_is_left_in_its_mode_and_unchanged() -> None:

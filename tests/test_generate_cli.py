@@ -142,7 +142,7 @@ def test_subprocess_generate_streams_seeded_text(char_ckpt) -> None:
     result = json.loads(again.stdout)
     assert first.stdout == "ROMEO:" + result["samples"][0] + "\n"  # same seed, same text
     model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
-    ids = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)
+    [ids] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)
     assert result["sample_ids"][0] == ids  # the CLI is the library
     bad = _cli("generate", str(char_ckpt), "--prompt", "x", "--top-p", "2")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
@@ -166,7 +166,7 @@ def test_score_equals_one_forward_and_restores_lengths(char_ckpt) -> None:
     ids = torch.randint(
         0, model.config.vocab_size, (120,), generator=torch.Generator().manual_seed(0)
     )
-    whole = model(ids[None, :-1], labels=ids[None, 1:]).loss[0]
+    whole = model(ids[None, :-1], labels=ids[None, 1:]).losses[0]
     before = model.config
     got = score(model, ids, tgt_len=7, mem_len=200)  # segments + memory reach everything
     assert model.config == before
@@ -179,7 +179,7 @@ def test_score_equals_one_forward_and_restores_lengths(char_ckpt) -> None:
             ids[None, lo : min(lo + 10, 119)], mems=mems, labels=ids[None, lo + 1 : lo + 11]
         )
         mems = out.mems
-        want.append(-out.loss[0])
+        want.append(-out.losses[0])
     model.set_lengths(tgt_len=before.tgt_len, mem_len=before.mem_len)
     torch.testing.assert_close(score(model, ids, tgt_len=10, mem_len=5), torch.cat(want))
     vocab = Vocab.load(char_ckpt / "vocab.json")

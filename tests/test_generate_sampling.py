@@ -102,16 +102,20 @@ def _model() -> TransformerXL:
 
 def test_same_seed_same_tokens_and_cache_does_not_change_them() -> None:
     model = _model()
-    a = generate(model, [1, 2, 3], max_new_tokens=40, seed=7)
-    assert a == generate(model, [1, 2, 3], max_new_tokens=40, seed=7)
-    assert a == generate(model, [1, 2, 3], max_new_tokens=40, seed=7, use_cache=False)
-    assert a != generate(model, [1, 2, 3], max_new_tokens=40, seed=8)
+    [a] = generate(model, [1, 2, 3], max_new_tokens=40, seed=7)
+    assert [a] == generate(model, [1, 2, 3], max_new_tokens=40, seed=7)
+    assert [a] == generate(model, [1, 2, 3], max_new_tokens=40, seed=7, use_cache=False)
+    assert [a] != generate(model, [1, 2, 3], max_new_tokens=40, seed=8)
     assert len(a) == 40 and all(0 <= t < 64 for t in a)
 
 
 def test_shapes_of_results() -> None:
     model = _model()
-    assert generate(model, [1, 2], max_new_tokens=0) == []
+    # one type whatever the prompt's shape: a list of rows, prompts x samples
+    assert generate(model, [1, 2], max_new_tokens=0) == [[]]
+    assert generate(model, [[1, 2], [3]], max_new_tokens=0, num_samples=2) == [[]] * 4
+    [one] = generate(model, torch.tensor([1, 2]), max_new_tokens=3, seed=0)
+    assert len(one) == 3
     samples = generate(model, [1, 2], max_new_tokens=4, seed=0, num_samples=3)
     assert len(samples) == 3 and all(len(s) == 4 for s in samples)
     assert len({tuple(s) for s in samples}) > 1  # independent draws

@@ -158,12 +158,12 @@ def test_outputs_and_loss_cover_current_segment_only():
     x1, x2 = tokens(2, 16, seed=1), tokens(2, 8, seed=2)
     out1 = model(x1)
     out2 = model(x2, mems=out1.mems, labels=x2)
-    assert out2.loss.shape == (2, 8)
+    assert out2.losses.shape == (2, 8)
     assert out2.hidden.shape == (2, 8, 32)
     log_probs = model(x2, mems=out1.mems).log_probs
     assert log_probs.shape == (2, 8, 64)
     picked = -log_probs.gather(2, x2[..., None]).squeeze(2)
-    torch.testing.assert_close(out2.loss, picked, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out2.losses, picked, atol=ATOL, rtol=0)
 
 
 # -- 5. segment equivalence -----------------------------------------------------------
@@ -303,7 +303,7 @@ def test_adaptive_losses_in_input_order_and_ignore_index(div_val):
     safe = labels.clamp(min=0)
     expected = -log_probs.gather(2, safe[..., None]).squeeze(2)
     expected[0, 3] = 0.0
-    torch.testing.assert_close(out.loss, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.losses, expected, atol=ATOL, rtol=0)
 
 
 def test_full_softmax_ignore_index():
@@ -311,7 +311,7 @@ def test_full_softmax_ignore_index():
     x = tokens(2, 16)
     labels = x.clone()
     labels[:, :4] = -100
-    loss = model(x, labels=labels).loss
+    loss = model(x, labels=labels).losses
     assert torch.all(loss[:, :4] == 0) and torch.all(loss[:, 4:] > 0)
 
 
@@ -338,7 +338,7 @@ def test_every_parameter_gets_a_gradient_and_memory_gets_none(variant):
     mems = [m.clone().requires_grad_(True) for m in first.mems]
     # Targets all in the shortlist: the tail clusters see no tokens yet still get gradients.
     out = model(x, mems=mems, labels=x % 8)
-    out.loss.mean().backward()
+    out.losses.mean().backward()
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, f"parameters without gradient: {missing}"
     assert all(m.grad is not None for m in mems)  # used as context ...

@@ -238,7 +238,7 @@ def test_loss_parity(tmp_path: Path, case: str) -> None:
     y[2, 3] = -100  # ignored label
     with torch.no_grad():
         lp = model(x).log_probs
-        nll = model(x, labels=y).loss
+        nll = model(x, labels=y).losses
         gathered = -lp.gather(-1, y.clamp(min=0)[..., None]).squeeze(-1)
         assert torch.allclose(nll, gathered.masked_fill(y == -100, 0.0), atol=1e-5, rtol=0)
         assert nll[2, 3] == 0.0

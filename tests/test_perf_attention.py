@@ -94,9 +94,9 @@ def test_sdpa_and_math_agree_in_training_with_grads(float64, overrides):
     for impl, model in models.items():
         out1 = model(x, labels=x)
         out2 = model(x, mems=out1.mems, reset=reset, mem_mask=out1.mem_mask, labels=x)
-        (out1.loss.sum() + out2.loss.sum()).backward()
+        (out1.losses.sum() + out2.losses.sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[impl] = (out2.loss.detach(), grads)
+        results[impl] = (out2.losses.detach(), grads)
     torch.testing.assert_close(results["sdpa"][0], results["math"][0], atol=ATOL, rtol=0)
     assert results["sdpa"][1].keys() == results["math"][1].keys()
     for name, g in results["sdpa"][1].items():
@@ -124,7 +124,7 @@ def test_training_forward_has_no_graph_breaks():
 
     def step(ids, mems):
         out = model(ids, mems=mems, labels=ids)
-        return out.loss.mean(), out.mems
+        return out.losses.mean(), out.mems
 
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(step)(x, mems)
@@ -140,10 +140,10 @@ def test_bf16_autocast_training_close_to_float32(impl):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out16 = model(x, labels=x)
         out16b = model(x, mems=out16.mems, labels=x)
-    assert out16.loss.dtype == torch.float32  # log-softmax in float32
-    out16b.loss.mean().backward()
+    assert out16.losses.dtype == torch.float32  # log-softmax in float32
+    out16b.losses.mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
-    torch.testing.assert_close(out16.loss, out32.loss, atol=0.05, rtol=0.02)
+    torch.testing.assert_close(out16.losses, out32.losses, atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("attn_impl", ["sdpa", "math"])
@@ -159,7 +159,7 @@ def test_training_projects_the_memory_apart_with_the_same_gradients(attn_impl):
         model.zero_grad(set_to_none=True)
         feed = [m.clone().requires_grad_(needs_grad) for m in mems]
         out = model(x.flip(1), mems=feed, labels=x)
-        out.loss.mean().backward()
+        out.losses.mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     assert grads[0].keys() == grads[1].keys()
     for name, g in grads[0].items():

@@ -59,13 +59,13 @@ def test_cached_eval_equals_forward(overrides, resets):
         labels = seg.roll(-1, dims=1)
         with torch.no_grad():
             ref = model(seg, mems=mems, reset=reset, mem_mask=mem_mask)
-            ref_loss = model(seg, mems=mems, reset=reset, mem_mask=mem_mask, labels=labels).loss
+            ref_loss = model(seg, mems=mems, reset=reset, mem_mask=mem_mask, labels=labels).losses
         mems, mem_mask = ref.mems, ref.mem_mask
         # the runner is stateful: run the same segment once for log-probs, once for losses
         saved = (runner.mems, runner.mem_mask, runner.kv)
         out = runner(seg, reset=reset)
         runner.mems, runner.mem_mask, runner.kv = saved
-        out_loss = runner(seg, labels=labels, reset=reset).loss
+        out_loss = runner(seg, labels=labels, reset=reset).losses
         torch.testing.assert_close(out.log_probs, ref.log_probs, atol=ATOL, rtol=0)
         torch.testing.assert_close(out_loss, ref_loss, atol=ATOL, rtol=0)
         for a, b in zip(out.mems, ref.mems, strict=True):

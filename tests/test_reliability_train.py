@@ -329,8 +329,8 @@ def _poison(trainer, bad_steps: set[int]) -> None:
 
     def forward(*args, **kwargs):
         out = real(*args, **kwargs)
-        if trainer.step + 1 in bad_steps and out.loss is not None:
-            out.loss = out.loss * float("nan")
+        if trainer.step + 1 in bad_steps and out.losses is not None:
+            out.losses = out.losses * float("nan")
         return out
 
     trainer.forward_model = forward

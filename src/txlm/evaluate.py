@@ -136,8 +136,8 @@ def evaluate_tokens(
                 else:
                     out = model(ids, mems=mems, labels=lab, mem_mask=mem_mask)
             mems, mem_mask = out.mems, out.mem_mask
-            assert out.loss is not None
-            total += out.loss.double().sum().cpu()
+            assert out.losses is not None
+            total += out.losses.double().sum().cpu()
             n = int((lab != -100).sum())
             count += n
             segments += 1

@@ -161,17 +161,17 @@ def _upcast(x: Tensor) -> Tensor:
 
 
 # -- prompts ----------------------------------------------------------------------------------
-def _as_rows(prompts: PromptLike | Sequence[PromptLike]) -> tuple[list[list[int]], bool]:
-    """Normalise to a list of id lists; also say whether a single prompt was given."""
+def _as_rows(prompts: PromptLike | Sequence[PromptLike]) -> list[list[int]]:
+    """Normalise to a list of id lists (one prompt becomes one row)."""
     if isinstance(prompts, Tensor):
         if prompts.dim() == 1:
-            return [prompts.tolist()], True
+            return [prompts.tolist()]
         if prompts.dim() == 2:
-            return prompts.tolist(), False
+            return prompts.tolist()
         raise ConfigError(f"prompt ids must be [P] or [B, P], got shape {tuple(prompts.shape)}")
     rows = list(prompts)
     if not rows or all(isinstance(x, int) for x in rows):
-        return [[int(x) for x in rows]], True
+        return [[int(x) for x in rows]]
     out = []
     for r in rows:
         if isinstance(r, Tensor):
@@ -179,7 +179,7 @@ def _as_rows(prompts: PromptLike | Sequence[PromptLike]) -> tuple[list[list[int]
         if not all(isinstance(x, int) for x in r):
             raise ConfigError("prompt ids must be integers")
         out.append([int(x) for x in r])
-    return out, False
+    return out
 
 
 def _check_ids(rows: list[list[int]], vocab_size: int) -> None:
@@ -841,7 +841,7 @@ def stream(
     sampling = sampling or SamplingConfig()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max-new-tokens must be a non-negative integer, got {max_new_tokens!r}")
-    rows, _ = _as_rows(prompts)
+    rows = _as_rows(prompts)
     rows = _expand(rows, num_samples)
     if stop_id is not None and not 0 <= stop_id < model.config.vocab_size:
         raise ConfigError(
@@ -890,26 +890,25 @@ def generate(
     start_id: int | None = None,
     use_cache: bool = True,
     stop_id: int | None = None,
-) -> list[int] | list[list[int]]:
-    """Sample continuations; returns the new ids only.
+) -> list[list[int]]:
+    """Sample continuations; returns the new ids only, one list per row: prompts x samples,
+    prompt-major (the samples of prompt 0 first). One prompt (a list of ids or a 1-D tensor)
+    is one row, so ``generate(model, ids)[0]`` is its continuation.
 
-    ``prompts``: one prompt (a list of ids or a 1-D tensor) -> a list of new ids (with
-    ``num_samples`` > 1: one list per sample); several prompts (a list of lists or a 2-D
-    tensor) -> one list per row, prompt-major. Sampling options as in ``SamplingConfig``
-    (``sampling`` overrides the keyword ones). The same ``seed`` gives the same ids.
-    ``stop_id`` (e.g. the vocabulary's ``<eos>``): each row ends with the first one it draws.
+    Sampling options as in ``SamplingConfig`` (``sampling`` overrides the keyword ones). The
+    same ``seed`` gives the same ids. ``stop_id`` (e.g. the vocabulary's ``<eos>``): each row
+    ends with the first one it draws.
     """
     if sampling is None:
         sampling = SamplingConfig(top_k=top_k, top_p=top_p, temperature=temperature, greedy=greedy)
-    _, single = _as_rows(prompts)
     steps = list(
         stream(
             model, prompts, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
             num_samples=num_samples, start_id=start_id, use_cache=use_cache, stop_id=stop_id,
         )
     )  # fmt: skip
-    batch = (1 if single else len(_as_rows(prompts)[0])) * num_samples
+    batch = len(_as_rows(prompts)) * num_samples
     out = torch.stack(steps, dim=1).tolist() if steps else [[] for _ in range(batch)]
     if stop_id is not None:  # drop the padding after each row's stop
         out = [r[: r.index(stop_id) + 1] if stop_id in r else r for r in out]
-    return out[0] if single and num_samples == 1 else out
+    return out

@@ -82,7 +82,7 @@ def score(
             lab = ids[lo + 1 : hi + 1].to(device)[None]
             res = model(inp, mems=mems, labels=lab)
             mems = res.mems
-            out[lo:hi] = -res.loss[0].float().cpu()
+            out[lo:hi] = -res.losses[0].float().cpu()
             if bar is not None:
                 bar.update(hi - lo)
         if bar is not None:

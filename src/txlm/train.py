@@ -217,7 +217,7 @@ def sample_text(
         start_id = None if ids else (start if start is not None else 0)
         new = generate(
             model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id
-        )
+        )[0]
     finally:
         model.config = saved
     return vocab.decode(ids + list(new))
@@ -460,7 +460,7 @@ class Trainer:
                         labels=labels[part],
                         mem_mask=mask,
                     )
-                    loss = out.loss.float().sum()
+                    loss = out.losses.float().sum()
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach().double().cpu()
             new_mems.append(out.mems)

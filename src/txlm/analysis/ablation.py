@@ -226,7 +226,7 @@ def train_variant(
             labels[:, :half] = -100
         out = model(batch.input_ids, mems=mems if variant.recurrence else None, labels=labels)
         counted = (labels != -100).sum().clamp(min=1)
-        loss = out.loss.sum() / counted
+        loss = out.losses.sum() / counted
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
@@ -272,8 +272,8 @@ def evaluate_nll(
         mems = None
         for s in range(0, per_row, tgt_len):
             out = model(inp[:, s : s + tgt_len], mems=mems, labels=lab[:, s : s + tgt_len])
-            total += float(out.loss.double().sum())
-            count += out.loss.numel()
+            total += float(out.losses.double().sum())
+            count += out.losses.numel()
             mems = out.mems if mem_len > 0 else None
     finally:
         model.config = original

@@ -13,12 +13,6 @@ import torch
 from torch import Tensor
 
 
-def empty_memory(
-    n_layer: int, batch: int, d_model: int, *, device=None, dtype=torch.float32
-) -> list[Tensor]:
-    return [torch.empty(batch, 0, d_model, device=device, dtype=dtype) for _ in range(n_layer)]
-
-
 @torch.no_grad()
 def update_memory(mems: list[Tensor] | None, hiddens: list[Tensor], mem_len: int) -> list[Tensor]:
     """M_{tau+1}^n = Tail_M([SG(M_tau^n); H_tau^n]) for every layer n."""

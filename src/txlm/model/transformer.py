@@ -2,8 +2,9 @@
 
 Legend: B batch, L segment length, M memory length, K = M + L, D model dim, V vocabulary.
 
-    out = model(input_ids [B, L], mems=None, reset=None, labels=None, mem_mask=None)
-    out.loss       [B, L] per-token NLL in input order (labels given; -100 is ignored -> 0)
+    out = model(input_ids [B, L], mems=None, *, reset=None, labels=None, mem_mask=None)
+    out.loss       scalar: mean NLL over the labelled tokens (labels given; -100 is ignored)
+    out.losses     [B, L] per-token NLL in input order (0 at ignored positions)
     out.log_probs  [B, L, V] (labels not given)
     out.mems       n_layer tensors [B, M', D]: each layer's input states, detached, newest mem_len
     out.mem_mask   [B, M'] bool or None: memory positions the next segment may attend to
@@ -14,18 +15,27 @@ Feed ``out.mems`` and ``out.mem_mask`` back with the next segment of the same ro
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
+from txlm.errors import ConfigError
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
 from txlm.model.dropout import Dropout
 from txlm.model.mask import attention_mask
-from txlm.model.memory import empty_memory, update_memory
+from txlm.model.memory import update_memory
 from txlm.model.positional import relative_distances, sinusoid
+
+# Fields that may change on a built model (``model.config = ...``, ``model.lengths(...)``).
+RUNTIME_FIELDS = (
+    "tgt_len", "mem_len", "clamp_len", "same_length", "dropout", "dropatt", "attn_impl",
+)  # fmt: skip
 
 
 @dataclass
@@ -33,7 +43,8 @@ class TransformerXLOutput:
     mems: list[Tensor]
     mem_mask: Tensor | None
     hidden: Tensor  # [B, L, D] last layer's output
-    loss: Tensor | None = None
+    loss: Tensor | None = None  # scalar mean over labelled tokens
+    losses: Tensor | None = None  # [B, L] per token, 0 where the label is ignored
     log_probs: Tensor | None = None
 
 
@@ -98,12 +109,37 @@ class TransformerXL(nn.Module):
             else:
                 p.normal_(0.0, c.init_std)
 
-    # -- memory and lengths -------------------------------------------------------------
-    def init_mems(self, batch_size: int) -> list[Tensor]:
-        p = next(self.parameters())
-        return empty_memory(
-            self.config.n_layer, batch_size, self.config.d_model, device=p.device, dtype=p.dtype
-        )
+    # -- configuration and lengths --------------------------------------------------------
+    @property
+    def config(self) -> ModelConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: ModelConfig) -> None:
+        """Assigning a config takes effect or fails: never a silent no-op.
+
+        Lengths are read from the config on every forward; dropout rates and the attention
+        kernel are pushed into the modules that hold them; every other field fixes the
+        parameters' shapes or their meaning, and changing it needs a new model.
+        """
+        old = getattr(self, "_config", None)
+        if old is not None:
+            fixed = [
+                f.name
+                for f in dataclasses.fields(config)
+                if f.name not in RUNTIME_FIELDS and getattr(config, f.name) != getattr(old, f.name)
+            ]
+            if fixed:
+                raise ConfigError(
+                    f"{', '.join(fixed)} cannot change on a built model (only "
+                    f"{', '.join(RUNTIME_FIELDS)} can); build a new TransformerXL"
+                )
+        self._config = config
+        for module in self.modules():
+            if isinstance(module, Dropout):
+                module.p = config.dropout
+            elif isinstance(module, RelativeAttention):
+                module.attn_impl, module.dropatt = config.attn_impl, config.dropatt
 
     def set_lengths(
         self,
@@ -113,7 +149,7 @@ class TransformerXL(nn.Module):
         clamp_len: int | None = None,
         same_length: bool | None = None,
     ) -> None:
-        """Change the attention lengths, e.g. to evaluate with longer memory than training."""
+        """Change the attention lengths for good, e.g. for a model loaded to generate."""
         changes = {
             k: val
             for k, val in dict(
@@ -122,6 +158,26 @@ class TransformerXL(nn.Module):
             if val is not None
         }
         self.config = self.config.replace(**changes)
+
+    @contextlib.contextmanager
+    def lengths(
+        self,
+        *,
+        tgt_len: int | None = None,
+        mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
+    ) -> Iterator[TransformerXL]:
+        """``with model.lengths(mem_len=4 * m):`` other lengths for the block only (e.g. to
+        evaluate with longer memory than training); restored on exit, also on an exception."""
+        saved = self.config
+        try:
+            self.set_lengths(
+                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+            )
+            yield self
+        finally:
+            self.config = saved
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -141,10 +197,13 @@ class TransformerXL(nn.Module):
         self,
         input_ids: Tensor,
         mems: list[Tensor] | None = None,
+        *,
         reset: Tensor | None = None,
         labels: Tensor | None = None,
         mem_mask: Tensor | None = None,
     ) -> TransformerXLOutput:
+        # Keyword-only past ``mems``: a positional ``model(x, mems, labels)`` would otherwise
+        # read the labels as document-start flags without any error.
         hidden, new_mems, next_mask = self.transform(input_ids, mems, reset, mem_mask)
         return self.output(hidden, new_mems, next_mask, labels)
 
@@ -155,11 +214,14 @@ class TransformerXL(nn.Module):
         mem_mask: Tensor | None,
         labels: Tensor | None = None,
     ) -> TransformerXLOutput:
-        """The output layer on hidden states [B, L, D]: per-token NLL, or log-probs."""
+        """The output layer on hidden states [B, L, D]: token losses, or log-probs."""
         out = TransformerXLOutput(mems=mems, mem_mask=mem_mask, hidden=hidden)
         flat = hidden.reshape(-1, hidden.size(-1))
         if labels is not None:
-            out.loss = self.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
+            out.losses = self.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
+            # a tensor division, not .item(): no host sync; 0 / 1 when nothing is labelled
+            counted = (labels != -100).sum().clamp(min=1)
+            out.loss = out.losses.sum() / counted
         else:
             out.log_probs = self.softmax.log_prob(flat).view(*hidden.shape[:2], -1)
         return out
