@@ -134,7 +134,7 @@ def test_bad_input_is_one_line_and_exit_2(env, args):
         ["recl", "{xl}", "--contexts", "4:2:1"],
         ["attention", "{xl}", "--text", "NOPE.txt"],
         ["attention", "{xl}", "--position", "999", "--tokens", "64"],
-        ["attention", "{xl}", "--data", "{xl}"],
+        ["attention", "{xl}", "--dataset", "{xl}"],
         ["ablate", "--preset", "nope"],
     ],
 )

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from txlm.cli import build_parser
+from txlm.devices import resolve_device
+from txlm.errors import ConfigError
+from txlm.train_config import TrainConfig
 
 
 def txlm(*args: str) -> subprocess.CompletedProcess:
@@ -26,3 +35,45 @@ def test_unknown_command_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("txlm: error:")
     assert "Traceback" not in result.stderr
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+# Commands that run a model: each takes --device, and it means the same everywhere.
+MODEL_COMMANDS = {"train", "eval", "generate", "bench", "attention", "recl", "ablate"}
+
+
+def test_every_model_command_defaults_to_device_auto():
+    options = {
+        name: {o: a for a in p._actions for o in a.option_strings}
+        for name, p in _subcommands().items()
+    }
+    assert set(options) >= MODEL_COMMANDS
+    for name in MODEL_COMMANDS - {"train"}:  # train: run.device in the config, auto too
+        assert options[name]["--device"].default == "auto", name
+    assert TrainConfig().run.device == "auto"
+
+
+def test_one_option_name_per_concept():
+    """A prepared corpus is --dataset wherever a command takes one (never --data)."""
+    for name, p in _subcommands().items():
+        flags = {o for a in p._actions for o in a.option_strings}
+        assert "--data" not in flags, name
+
+
+def test_device_names_resolve_or_fail_in_one_line():
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    for bad in ("tpu", "cuda:x", ""):
+        with pytest.raises(ConfigError, match="bad device"):
+            resolve_device(bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no GPU"):
+            resolve_device("cuda:0")
+        result = txlm("generate", "nowhere", "--prompt", "a", "--device", "cuda")
+        assert result.returncode == 2 and result.stderr.count("\n") == 1
+        assert "no GPU" in result.stderr

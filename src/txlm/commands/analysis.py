@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from txlm.devices import DEVICE_HELP, resolve_device
 from txlm.errors import CheckpointError, ConfigError, DataError
 
 
@@ -66,14 +67,14 @@ def _head(text: str) -> tuple[int, int]:
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out-dir", default=None, help="write the PNG figures (and result.json) here")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:1, ...")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
 
 
 def _add_text(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="a UTF-8 text file, encoded with the vocabulary")
     p.add_argument(
-        "--data",
+        "--dataset",
         default="shakespeare",
         help="prepared dataset name or folder (default shakespeare; see txlm prepare)",
     )
@@ -86,10 +87,7 @@ def _setup(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        return torch.device(args.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
+    return resolve_device(args.device)
 
 
 def _load_checkpoint(path: str, device):
@@ -118,15 +116,18 @@ def _read_tokens(args: argparse.Namespace, checkpoint: str, max_tokens: int):
     vocab = _checkpoint_vocab(checkpoint)
     if args.text:
         if vocab is None:
-            raise CheckpointError(f"{checkpoint} has no vocab.json: use --data instead of --text")
+            raise CheckpointError(
+                f"{checkpoint} has no vocab.json: use --dataset instead of --text"
+            )
         path = Path(args.text)
         if not path.is_file():
             raise DataError(f"text file {path} does not exist")
         ids = vocab.encode_array(path.read_text(encoding="utf-8"))
     else:
-        folder = Path(args.data)
+        folder = Path(args.dataset)
         if not (folder / "meta.json").is_file():
-            folder = prepare_dataset(args.data, args.data_dir or default_data_dir(), progress=False)
+            data_dir = args.data_dir or default_data_dir()
+            folder = prepare_dataset(args.dataset, data_dir, progress=False)
         corpus = load_prepared(folder)
         if vocab is not None and vocab.fingerprint != corpus.vocab.fingerprint:
             raise DataError(
@@ -313,7 +314,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
             seed=args.seed,
             lr=args.lr,
         ),
-        data=args.data,
+        data=args.dataset,
         data_dir=args.data_dir,
         device=device,
         progress=not args.json,
@@ -416,7 +417,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ab.add_argument(
         "--save-dir", default=None, help="also save each trained model here (for txlm recl)"
     )
-    ab.add_argument("--data", default="shakespeare", help="prepared dataset name or folder")
+    ab.add_argument("--dataset", default="shakespeare", help="prepared dataset name or folder")
     ab.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")
     _add_output(ab)
     ab.set_defaults(func=_run_ablate)

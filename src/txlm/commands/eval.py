@@ -13,6 +13,7 @@ import json
 import sys
 
 from txlm.commands import eval_file
+from txlm.devices import DEVICE_HELP, check_precision, resolve_device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda[:N]")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
     from txlm import checkpoint
     from txlm.data import default_data_dir, load_prepared, prepare_dataset
-    from txlm.errors import CheckpointError, ConfigError
+    from txlm.errors import CheckpointError
     from txlm.evaluate import evaluate_tokens
 
     _positive("tgt-len", args.tgt_len)
@@ -81,13 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         _positive("threads", args.threads)
         torch.set_num_threads(args.threads)
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no GPU is available")
-    if args.precision == "fp16" and not device.startswith("cuda"):
-        raise ConfigError("--precision fp16 needs a GPU; use bf16 on CPU")
+    device = resolve_device(args.device)
+    check_precision(args.precision, device)
 
     ckpt = checkpoint.resolve(args.checkpoint)
     saved = checkpoint.read_config(ckpt)

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from txlm.devices import resolve_device
 from txlm.errors import ConfigError
 
 
@@ -35,9 +36,7 @@ def run(args: argparse.Namespace) -> int:
     threads = getattr(args, "threads", None)
     if threads is not None:
         torch.set_num_threads(threads)
-    device = getattr(args, "device", "cpu")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(getattr(args, "device", "auto"))
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
     result = score_file(
         args.checkpoint,

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from txlm.checkpoint import load
+from txlm.devices import DEVICE_HELP, check_precision, resolve_device
 from txlm.errors import CheckpointError, ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import SamplingConfig, stream
@@ -58,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mem-len", type=int, default=None, metavar="N", help="memory length")
     p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
     p.add_argument("--clamp-len", type=int, default=None, metavar="N")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--precision",
         default="fp32",
@@ -131,14 +132,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     texts = _read_prompts(args)
-    try:
-        device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise ConfigError(f"bad --device {args.device!r}: {exc}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no GPU is available")
-    if args.precision == "fp16" and device.type != "cuda":
-        raise ConfigError("--precision fp16 needs a GPU; use bf16 on CPU")
+    device = resolve_device(args.device)
+    check_precision(args.precision, device)
 
     model = load(args.checkpoint, device=device)
     vocab = checkpoint_vocab(args.checkpoint)

@@ -1,0 +1,43 @@
+"""Device names as users give them: ``auto`` (CUDA when present), ``cpu``, ``cuda[:N]``.
+
+One resolver for every command and the trainer, so ``--device`` means the same everywhere
+and a request for a GPU that is not there fails the same way (one line, exit 2).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from txlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICE_HELP = "auto (default: CUDA when present, else CPU) | cpu | cuda[:N]"
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """``name`` as a ``torch.device``; a bare ``cuda`` (or ``auto`` on a GPU machine) picks
+    the process's own GPU, ``cuda:<local_rank>``, as torchrun's ranks need."""
+    import torch  # here: the CLI's parsers import this module, and --help needs no torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"bad device {name!r} ({DEVICE_HELP}): {exc}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"bad device {name!r}: expected {DEVICE_HELP}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r}: no GPU is available")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """fp16 autocast exists for GPUs only; bf16 runs on both."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("precision fp16 needs a GPU; use bf16 on CPU")
