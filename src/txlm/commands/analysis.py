@@ -369,8 +369,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     att = subparsers.add_parser(
         "attention",
         help="attention over relative distance per head, and terms (a), (b), (d) (Appendix D)",
+        description="Where each head attends (paper Appendix D): average attention over "
+        "relative distance (Figure 5), one head at one position (Figure 6), and the terms "
+        "(a), (b), (d) each through its own softmax (Figure 7).",
     )
-    att.add_argument("checkpoint", help="a checkpoint directory")
+    att.add_argument("checkpoint", metavar="CKPT", help="a checkpoint directory")
     _add_text(att)
     att.add_argument("--tokens", type=int, default=4096, help="tokens of the text to use")
     att.add_argument("--tgt-len", type=int, default=None, help="segment length (model's)")
@@ -383,9 +386,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     att.set_defaults(func=_run_attention)
 
     rc = subparsers.add_parser(
-        "recl", help="relative effective context length of a model group (Appendix C)"
+        "recl",
+        help="relative effective context length of a model group (Appendix C)",
+        description="Relative effective context length (paper Appendix C): each target is "
+        "scored from exactly c preceding tokens for every context length c, and RECL is the "
+        "longest context that still gains over the group's best shorter one.",
     )
-    rc.add_argument("checkpoints", nargs="+", help="the model group's checkpoint directories")
+    rc.add_argument(
+        "checkpoints", metavar="CKPT", nargs="+", help="the model group's checkpoint directories"
+    )
     rc.add_argument("--names", default=None, help="comma-separated model names")
     _add_text(rc)
     rc.add_argument(
@@ -403,7 +412,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rc.set_defaults(func=_run_recl)
 
     ab = subparsers.add_parser(
-        "ablate", help="train and evaluate the Table 6 model group on the default corpus"
+        "ablate",
+        help="train and evaluate the Table 6 model group on the default corpus",
+        description="Table 6: Transformer-XL, without recurrence, Shaw et al. with recurrence "
+        "and the vanilla Transformer, same shape, steps and batches; reported at the training "
+        "lengths and at the best of longer evaluation lengths.",
     )
     ab.add_argument("--preset", default="ablation-small", help="model shape (ablation-small)")
     ab.add_argument("--steps", type=int, default=None, help="training steps per model")
@@ -413,7 +426,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ab.add_argument("--eval-tokens", type=int, default=None, help="validation tokens evaluated")
     ab.add_argument("--half-loss", action="store_true", help="add the half-loss variants")
     ab.add_argument("--lr", type=float, default=None, help="peak learning rate")
-    ab.add_argument("--seed", type=int, default=0)
+    ab.add_argument("--seed", type=int, default=0, help="default 0")
     ab.add_argument(
         "--save-dir", default=None, help="also save each trained model here (for txlm recl)"
     )

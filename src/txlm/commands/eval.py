@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Evaluate a checkpoint on its dataset's split, memory carried across segments.",
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory (e.g. runs/x/best)")
-    p.add_argument("--split", default="test", choices=["train", "valid", "test"])
+    p.add_argument(
+        "--split", default="test", choices=["train", "valid", "test"], help="default test"
+    )
     p.add_argument(
         "--tgt-len", type=int, default=None, help="segment length (default: preset's eval)"
     )
@@ -46,9 +48,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
     )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="autocast for the matmuls (fp16: GPU only); default fp32",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--kv-cache", action="store_true",
         help="keep the memory's projected keys/values between segments (faster, same numbers)",

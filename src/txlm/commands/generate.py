@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generate",
         help="sample text from a checkpoint (cached incremental decoding)",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Sample text from a checkpoint, streamed as it is produced: the prompt is "
+        "read in segments that fill the memory, then each token is one cached step.",
     )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory")
     src = p.add_mutually_exclusive_group(required=True)
@@ -58,7 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mem-len", type=int, default=None, metavar="N", help="memory length")
     p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
-    p.add_argument("--clamp-len", type=int, default=None, metavar="N")
+    p.add_argument(
+        "--clamp-len", type=int, default=None, metavar="N", help="clamp relative distances"
+    )
     p.add_argument("--device", default="auto", help=DEVICE_HELP)
     p.add_argument(
         "--precision",

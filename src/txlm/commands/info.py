@@ -12,8 +12,14 @@ from txlm.model import TransformerXL
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("info", help="list presets (parameter counts) or describe a checkpoint")
-    p.add_argument("checkpoint", nargs="?", help="a checkpoint directory to describe")
+    p = sub.add_parser(
+        "info",
+        help="list presets (parameter counts) or describe a checkpoint",
+        description="Without CKPT: every preset with its shape and parameter count (counted "
+        "without allocating). With CKPT: its parameter count and saved configuration (model and "
+        "training), as JSON.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", nargs="?", help="a checkpoint to describe")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
