@@ -161,4 +161,5 @@ def subprocess_env() -> dict[str, str]:
     env.pop("TXLM_DATA_DIR", None)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
+    env["HF_HUB_OFFLINE"] = "1"  # `convert --from hf NAME` must never reach the real Hub
     return env

@@ -93,6 +93,24 @@ def assets(tmp_path_factory, runner: Runner) -> Path:
     torch.manual_seed(0)
     model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(corpus.vocab)))
     save(model, root / "ckpt", vocab_json=corpus.vocab.to_json())
+    # A checkpoint with a bpe vocabulary (tokenizer.json travels with it), and another bpe
+    # vocabulary's pair of files for the "consistent but foreign tokenizer" case.
+    bpe_corpus = load_prepared(
+        prepare_dataset(
+            f"text:{root / 'corpus.txt'}", root / "data", level="bpe", vocab_size=300,
+            progress=False,
+        )
+    )  # fmt: skip
+    bpe_model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(bpe_corpus.vocab)))
+    extra = {"vocab_fingerprint": bpe_corpus.vocab.fingerprint}
+    save(bpe_model, root / "bpe-ckpt", vocab=bpe_corpus.vocab, extra_config=extra)
+    other_bpe = load_prepared(
+        prepare_dataset(
+            f"text:{root / 'other.txt'}", root / "data", level="bpe", vocab_size=300,
+            progress=False,
+        )
+    )  # fmt: skip
+    other_bpe.vocab.save(root / "other-bpe" / "vocab.json")
 
     # A Hugging Face TransfoXL directory for `txlm convert` (pytorch_model.bin: a zip pickle
     # that torch.load(weights_only=True) reads).
@@ -181,6 +199,11 @@ def _txlm_model(key: str, value) -> Setup:
     return edit_json("ckpt/config.json", lambda d: d["model"].__setitem__(key, value))
 
 
+def _swap_ids(vocab: dict, a: str, b: str) -> None:
+    """Two tokens trade ids: still a well-formed tokenizer, but not the model's."""
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+
+
 def _mkdir(name: str) -> Setup:
     return lambda work: (work / name).mkdir(parents=True)
 
@@ -239,9 +262,33 @@ CASES: list[Case] = [
         uses=("corpus.txt",),
     ),
     Case(
-        "prepare-max-size-negative",
-        ["prepare", "text:corpus.txt", "--level", "word", "--max-size", "-5"],
-        "max_size",
+        "prepare-max-vocab-negative",
+        ["prepare", "text:corpus.txt", "--level", "word", "--max-vocab", "-5"],
+        "max_vocab",
+        uses=("corpus.txt",),
+    ),
+    Case(
+        "prepare-bpe-vocab-below-byte-alphabet",
+        ["prepare", "text:corpus.txt", "--level", "bpe", "--vocab-size", "200"],
+        "byte alphabet",
+        uses=("corpus.txt",),
+    ),
+    Case(
+        "prepare-bpe-empty-corpus",
+        ["prepare", "text:empty.txt", "--level", "bpe"],
+        "empty",
+        write("empty.txt", ""),
+    ),
+    Case(
+        "prepare-bpe-one-character-corpus",
+        ["prepare", "text:same.txt", "--level", "bpe"],
+        "one character",
+        write("same.txt", "a" * 1000),
+    ),
+    Case(
+        "prepare-bpe-option-for-word-level",
+        ["prepare", "text:corpus.txt", "--level", "word", "--vocab-size", "1000"],
+        "--vocab-size",
         uses=("corpus.txt",),
     ),
     Case(
@@ -268,6 +315,16 @@ CASES: list[Case] = [
     Case("prepare-non-integer-option", ["prepare", "text:x.txt", "--min-freq", "lots"], "min-freq"),
     # ---- convert -------------------------------------------------------------------------
     Case("convert-missing-src", ["convert", "--from", "hf", "nope", "--out", "o"], "nope"),
+    Case(
+        "convert-hub-name-offline-not-cached",
+        ["convert", "--from", "hf", "org/transfo-xl-absent", "--out", "o"],
+        "HF_HUB_OFFLINE",
+    ),
+    Case(
+        "convert-missing-path",
+        ["convert", "--from", "hf", "./models/nope", "--out", "o"],
+        "models/nope",
+    ),
     Case(
         "convert-src-is-file",
         ["convert", "--from", "hf", "f.txt", "--out", "o"],
@@ -659,6 +716,37 @@ CASES: list[Case] = [
     ),
     # ---- generate ------------------------------------------------------------------------
     Case("generate-missing-checkpoint", ["generate", "nope", "--prompt", "a"], "nope"),
+    Case(
+        "generate-bpe-tokenizer-edited",
+        ["generate", "bpe-ckpt", "--prompt", "a"],
+        "does not match",
+        edit_json("bpe-ckpt/tokenizer.json", lambda d: _swap_ids(d["model"]["vocab"], "a", "b")),
+        uses=("bpe-ckpt",),
+    ),
+    Case(
+        "generate-bpe-tokenizer-missing",
+        ["generate", "bpe-ckpt", "--prompt", "a"],
+        "tokenizer.json",
+        lambda w: (w / "bpe-ckpt/tokenizer.json").unlink(),
+        uses=("bpe-ckpt",),
+    ),
+    Case(
+        "generate-bpe-tokenizer-not-json",
+        ["generate", "bpe-ckpt", "--prompt", "a"],
+        "tokenizer.json",
+        write("bpe-ckpt/tokenizer.json", b"\x80\x04K."),
+        uses=("bpe-ckpt",),
+    ),
+    Case(
+        "eval-file-bpe-foreign-tokenizer",
+        ["eval", "bpe-ckpt", "--file", "corpus.txt"],
+        "does not match the checkpoint",
+        lambda w: [
+            shutil.copy2(w / "other-bpe" / n, w / "bpe-ckpt" / n)
+            for n in ("vocab.json", "tokenizer.json")
+        ],
+        uses=("bpe-ckpt", "other-bpe", "corpus.txt"),
+    ),
     Case(
         "generate-negative-tokens",
         ["generate", "run/best", "--prompt", "The", "--max-new-tokens", "-1"],

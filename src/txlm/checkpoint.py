@@ -3,6 +3,7 @@
     config.json          the ModelConfig (plus "format": "txlm", a version, and extras)
     model.safetensors    weights (tied tensors stored once)
     vocab.json           the vocabulary, when there is one
+    tokenizer.json       a bpe vocabulary's tokenizer (the model's ids mean nothing without it)
     ...                  training adds optimizer.safetensors, trainer_state.json, memory
 
 Atomic replace: the new checkpoint is written to a sibling temp directory and renamed into
@@ -37,6 +38,7 @@ FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_FILE = "vocab.json"
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def _fsync_dir(path: Path) -> None:
@@ -187,8 +189,18 @@ def save(
     vocab_json: str | None = None,
     extra_config: dict[str, Any] | None = None,
     extra_files: Callable[[Path], None] | None = None,
+    vocab: Any = None,
 ) -> Path:
-    """Write ``model`` (and optionally its vocabulary and more files) atomically."""
+    """Write ``model`` (and optionally its vocabulary and more files) atomically.
+
+    ``vocab`` (a ``txlm.data.Vocab``) writes every file the vocabulary needs, a bpe
+    tokenizer.json included; ``vocab_json`` is the bare vocab.json text of a symbol-table
+    vocabulary (char, word, byte), e.g. one converted from another format.
+    """
+    if vocab is not None and vocab_json is not None:
+        raise ValueError("pass vocab or vocab_json, not both")
+    if vocab_json is not None and json.loads(vocab_json).get("level") == "bpe":
+        raise ValueError("a bpe vocabulary has a tokenizer.json too: pass vocab=, not vocab_json=")
 
     def fill(tmp: Path) -> None:
         config = {
@@ -201,6 +213,8 @@ def save(
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         if vocab_json is not None:
             (tmp / VOCAB_FILE).write_text(vocab_json)
+        if vocab is not None:
+            vocab.save(tmp / VOCAB_FILE)
         if extra_files is not None:
             extra_files(tmp)
 
@@ -317,3 +331,28 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
             f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
         )
     return model.eval()
+
+
+def load_vocab(directory: str | Path) -> Any:
+    """The vocabulary saved with a checkpoint (a ``txlm.data.Vocab``), checked to be the one
+    the model was trained with: vocab.json (and a bpe vocabulary's tokenizer.json) must give
+    the fingerprint config.json records. Missing: ``CheckpointError``."""
+    from txlm.data import Vocab  # only text in / text out needs the data package
+    from txlm.errors import DataError
+
+    directory = resolve(directory)
+    path = directory / VOCAB_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {VOCAB_FILE}: cannot encode text")
+    try:
+        vocab = Vocab.load(path)
+    except DataError as exc:  # the checkpoint is what is damaged, not a dataset
+        raise CheckpointError(str(exc)) from None
+    recorded = read_config(directory).get("vocab_fingerprint")
+    if recorded is not None and recorded != vocab.fingerprint:
+        what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
+        raise CheckpointError(
+            f"{directory / what} does not match the checkpoint: its fingerprint is "
+            f"{vocab.fingerprint}, the model was trained with {recorded}"
+        )
+    return vocab

@@ -395,8 +395,14 @@ def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
 # -- the whole conversion -------------------------------------------------------------------
 
 
-def convert_hf(src_dir: str | Path, out_dir: str | Path) -> ConversionResult:
-    """Convert a Hugging Face TransfoXL checkpoint directory into a txlm checkpoint."""
+def convert_hf(
+    src_dir: str | Path, out_dir: str | Path, *, source: str | None = None
+) -> ConversionResult:
+    """Convert a Hugging Face TransfoXL checkpoint directory into a txlm checkpoint.
+
+    ``source``: what to record as its origin (a Hub repository id; default: the folder).
+    A repository by name: ``convert_hf(txlm.hub.local_or_hub(name), out)``.
+    """
     src = Path(src_dir)
     if not src.is_dir():
         raise CheckpointError(f"{src} is not a directory")
@@ -428,7 +434,7 @@ def convert_hf(src_dir: str | Path, out_dir: str | Path) -> ConversionResult:
     extra = {
         "converted_from": {
             "format": "hf-transfo-xl",
-            "source": str(src.resolve()),
+            "source": source or str(src.resolve()),
             "weights_file": weights_file,
             "vocab_file": vocab_file,
             "transformers_version": hf_config.get("transformers_version"),

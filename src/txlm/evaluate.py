@@ -27,19 +27,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from txlm.data import metrics as _metrics
 from txlm.model import TransformerXL
 from txlm.model.kv_eval import CachedEvaluator
 
 LN2 = math.log(2.0)
 
 
-def metric_value(loss: float, metric: str) -> float:
-    """bits per character for char/byte corpora, perplexity for word corpora."""
-    if metric == "bpc":
-        return loss / LN2
-    if metric == "ppl":
-        return math.exp(min(loss, 700.0))
-    raise ValueError(f"unknown metric {metric!r} (bpc or ppl)")
+def metric_value(loss: float, metric: str, *, tokens_per_byte: float | None = None) -> float:
+    """bits per character (char/byte), bits per byte (bpe; needs the text's tokens per
+    byte), perplexity (word): ``txlm.data.metrics``."""
+    return _metrics.metric_value(loss, metric, tokens_per_byte=tokens_per_byte)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -87,6 +85,7 @@ def evaluate_tokens(
     max_steps: int | None = None,
     precision: str = "fp32",
     metric: str | None = None,
+    tokens_per_byte: float | None = None,
     progress: bool = False,
     desc: str = "eval",
     kv_cache: bool = False,
@@ -95,7 +94,8 @@ def evaluate_tokens(
 
     Returns a dict: ``loss`` (nats per predicted token), ``tokens`` (predicted), ``segments``,
     ``seconds``, ``tokens_per_s``, the lengths used, and ``bpc``/``ppl`` when ``metric`` is
-    given. ``max_steps`` caps the number of segments (a quick validation); memory still starts
+    given (``bpb`` needs ``tokens_per_byte`` of the stream's text and adds token ``ppl``).
+    ``max_steps`` caps the number of segments (a quick validation); memory still starts
     empty only once per row. ``kv_cache`` keeps the memory's projected keys and values between
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
     rounding, faster with long memory).
@@ -168,7 +168,7 @@ def evaluate_tokens(
     }
     if metric is not None:
         result["metric"] = metric
-        result[metric] = metric_value(loss, metric)
+        result.update(_metrics.metrics(loss, metric, tokens_per_byte=tokens_per_byte))
     return result
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 def start_token(vocab: Any) -> int | None:
     """What an empty prompt starts from: a symbol that precedes new text in the corpora."""
-    for tid in (vocab.eos_id, vocab.bos_id):
+    for tid in (vocab.doc_start_id, vocab.eos_id, vocab.bos_id):
         if tid is not None:
             return int(tid)
     newline = "10" if vocab.level == "byte" else "\n"
@@ -41,10 +41,4 @@ def encode_prompt(vocab: Any, text: str) -> tuple[list[int], int]:
         and not text.endswith(("\n", "\r"))
     ):
         ids.pop()
-    if vocab.level == "word":
-        n_unk = sum(1 for w in text.split() if w not in vocab)
-    elif vocab.level == "char":
-        n_unk = sum(1 for ch in text if ch not in vocab)
-    else:  # bytes: every value is a symbol
-        n_unk = 0
-    return ids, n_unk
+    return ids, vocab.count_unknown(text)

@@ -123,17 +123,10 @@ def summarize(log_probs: Tensor, *, tgt_len: int, mem_len: int) -> TextScore:
 
 
 def checkpoint_vocab(directory: str | Path) -> Any:
-    """The vocabulary saved with a checkpoint (``vocab.json``, a ``txlm.data.Vocab``)."""
-    from txlm.checkpoint import VOCAB_FILE, resolve
-    from txlm.data import Vocab  # only text in / text out needs the data package
+    """The vocabulary saved with a checkpoint, checked against it (``checkpoint.load_vocab``)."""
+    from txlm.checkpoint import load_vocab
 
-    path = resolve(directory) / VOCAB_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{resolve(directory)} has no {VOCAB_FILE}: cannot encode text")
-    try:
-        return Vocab.load(path)
-    except DataError as exc:  # the checkpoint is what is damaged, not a dataset
-        raise CheckpointError(str(exc)) from None
+    return load_vocab(directory)
 
 
 def score_file(
@@ -170,7 +163,11 @@ def score_file(
         text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
-    ids = torch.as_tensor(vocab.encode(text), dtype=torch.long)
+    ids = vocab.encode(text)
+    if vocab.doc_start_id is not None:  # the file is a document: read it as training did
+        ids = [vocab.doc_start_id, *ids]
+    ids = torch.as_tensor(ids, dtype=torch.long)
+    n_bytes = len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
 
     def pick(value: Any, key: str) -> Any:
         return value if value is not None else saved.get(key)
@@ -186,8 +183,13 @@ def score_file(
     seconds = time.perf_counter() - began
     used = model.config.replace(**{k: v for k, v in lengths.items() if v is not None})
     result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
-    metric = "bpc" if vocab.level in ("char", "byte") else "ppl"
+    from txlm.data.metrics import metric_for_level, metrics
+
+    metric = metric_for_level(vocab.level)
     unk = vocab.unk_id
+    # Bits per byte: the loss summed over the scored tokens, per byte of the file (with a
+    # document-start symbol every token of the file is scored: the sum covers every byte).
+    tokens_per_byte = log_probs.numel() / max(n_bytes, 1)
     result.update(
         file=str(file),
         checkpoint=str(ckpt),
@@ -196,8 +198,9 @@ def score_file(
         clamp_len=used.clamp_len,
         same_length=used.same_length,
         unk_tokens=0 if unk is None else int((ids == unk).sum()),
+        text_bytes=n_bytes,
         seconds=round(seconds, 4),
         tokens_per_s=round(log_probs.numel() / seconds, 1) if seconds > 0 else 0.0,
     )
-    result[metric] = result["bits_per_token"] if metric == "bpc" else result["ppl"]
+    result.update(metrics(result["nll"], metric, tokens_per_byte=tokens_per_byte))
     return result

@@ -45,7 +45,7 @@ from txlm import checkpoint
 from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, ConfigError, TxlmError
-from txlm.evaluate import autocast, evaluate_tokens, metric_value
+from txlm.evaluate import autocast, evaluate_tokens
 from txlm.model import TransformerXL
 from txlm.prompts import encode_prompt, start_token
 from txlm.train_config import TrainConfig
@@ -536,6 +536,7 @@ class Trainer:
             max_steps=None if full else e.max_eval_steps,
             precision=self.config.run.precision,
             metric=self.metric,
+            tokens_per_byte=self.corpus.tokens_per_byte(split),
             progress=self.echo and self.config.run.progress,
             desc=split,
             **kwargs,
@@ -579,7 +580,7 @@ class Trainer:
         checkpoint.save(
             self.model,
             self.out / kind,
-            vocab_json=self.vocab.to_json(),
+            vocab=self.vocab,
             extra_config=self._extra_config(kind),
             extra_files=fill,
         )
@@ -721,7 +722,7 @@ class Trainer:
                         "split": "train",
                         "step": self.step,
                         "loss": loss,
-                        self.metric: metric_value(loss, self.metric),
+                        self.metric: self.corpus.metric_value(loss, "train"),
                         "lr": stats["lr"],
                         "grad_norm": stats["grad_norm"],
                         "tokens_per_s": tok_s,

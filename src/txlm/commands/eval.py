@@ -131,19 +131,20 @@ def run(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,
+        tokens_per_byte=corpus.tokens_per_byte(args.split),
         progress=show,
         desc=args.split,
         kv_cache=args.kv_cache,
     )
     result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
+    if corpus.vocab.unk is not None:
+        result["unk_tokens"] = corpus.unk_tokens(args.split)
     if args.json:
         print(json.dumps(result))
     else:
-        m = corpus.metric
-        print(
-            f"{args.split}: loss {result['loss']:.4f}, {m} {result[m]:.4f} over "
-            f"{result['tokens']:,} tokens (tgt_len {result['tgt_len']}, mem_len "
-            f"{result['mem_len']}, clamp_len {result['clamp_len']}, same_length "
-            f"{result['same_length']}), {result['tokens_per_s']:.0f} tokens/s"
-        )
+        from txlm.commands.eval_file import summary_line
+
+        unk = result.get("unk_tokens")
+        note = f", <unk> {unk:,} tokens in the split" if unk is not None else ""
+        print(f"{args.split}: {summary_line(result)}{note}")
     return 0

@@ -51,11 +51,20 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps(result))
         return 0
-    m = result["metric"]
-    print(
-        f"{args.file}: loss {result['loss']:.4f}, {m} {result[m]:.4f} over {result['tokens']:,} "
-        f"tokens (tgt_len {result['tgt_len']}, mem_len {result['mem_len']}, clamp_len "
-        f"{result['clamp_len']}, same_length {result['same_length']}, <unk> "
-        f"{result['unk_tokens']}), {result['tokens_per_s']:.0f} tokens/s"
-    )
+    print(f"{args.file}: {summary_line(result)}, <unk> {result['unk_tokens']:,} tokens")
     return 0
+
+
+def summary_line(result: dict) -> str:
+    """loss, the metric named in words (and token perplexity beside bits per byte), lengths."""
+    from txlm.data.metrics import describe
+
+    m = result["metric"]
+    line = f"loss {result['loss']:.4f}, {m} {result[m]:.4f} ({describe(m)})"
+    if m == "bpb":
+        line += f", token ppl {result['ppl']:.2f}"
+    return line + (
+        f" over {result['tokens']:,} tokens (tgt_len {result['tgt_len']}, mem_len "
+        f"{result['mem_len']}, clamp_len {result['clamp_len']}, same_length "
+        f"{result['same_length']}), {result['tokens_per_s']:.0f} tokens/s"
+    )

@@ -15,6 +15,14 @@ splits: shakespeare holds out two works for valid and two for test (see meta.jso
   text:PATH: with 10+ documents the last n/20 are test and the n/20 before valid, else the
   text is cut 90/5/5 at line starts.
 documents: text:PATH folder = one per .txt file; in one file, 2+ blank lines end a document.
+levels: char (default for text), word, byte, bpe (a byte-level BPE learnt on train with
+  Hugging Face tokenizers: tokenizer.json beside vocab.json; any text round-trips, no <unk>).
+  --vocab-size default 8192: on a corpus of 1-10 MB each of 8k tokens still occurs a few
+  hundred times in train, enough to learn its embedding; 16k+ pays off from ~100 MB of text.
+  The metric of a bpe corpus is bits per byte (comparable across levels and sizes).
+word vocabularies: --min-freq N drops words seen fewer than N times in train, --max-vocab N
+  keeps the N-2 most frequent (plus <unk>, <eos>); the rest become <unk>, counted per split.
+  Options not given: as the existing copy was prepared (txlm train/eval find it), else default.
 downloads: DATA_DIR/downloads/, resumed when interrupted, checked against a published sha256
   (wt2, wt103, enwik8, text8) or the one recorded at first download (ptb, lm1b).
 environment: TXLM_DATA_DIR, TXLM_MIRROR (base URL for every download), TXLM_SHA256_FILE
@@ -32,17 +40,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("dataset", nargs="?", default="shakespeare", metavar="DATASET")
     p.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")
-    p.add_argument("--level", choices=["char", "word", "byte"], default=None)
+    p.add_argument("--level", choices=["char", "word", "byte", "bpe"], default=None)
     p.add_argument("--force", action="store_true", help="rebuild even if an up-to-date copy exists")
     p.add_argument("--mirror", default=None, help="base URL replacing the download hosts")
-    p.add_argument("--min-freq", type=int, default=1, help="word level: drop rarer words")
-    p.add_argument("--max-size", type=int, default=None, help="word level: vocabulary cap")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="bpe level: vocabulary size (default 8192, for corpora of a few MB; see below)",
+    )
+    p.add_argument(
+        "--min-freq",
+        type=int,
+        default=None,
+        metavar="N",
+        help="word level: words seen fewer than N times in train become <unk> (default 1)",
+    )
+    p.add_argument(
+        "--max-vocab", type=int, default=None, metavar="N",
+        help="word level: keep the N most frequent symbols, the rest become <unk>",
+    )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from txlm.data.metrics import describe
     from txlm.data.prepare import default_data_dir, load_prepared, prepare_dataset
 
     start = time.perf_counter()
@@ -54,21 +79,59 @@ def run(args: argparse.Namespace) -> int:
         mirror=args.mirror,
         progress=not args.no_progress,
         min_freq=args.min_freq,
-        max_size=args.max_size,
+        max_vocab=args.max_vocab,
+        vocab_size=args.vocab_size,
     )
     seconds = time.perf_counter() - start
     corpus = load_prepared(path)
     splits = {name: info["tokens"] for name, info in corpus.meta["splits"].items()}
-    summary = {
+    summary: dict = {
         "path": str(path),
         "level": corpus.level,
         "vocab_size": len(corpus.vocab),
         "tokens": splits,
+        "metric": corpus.metric,
+        "bytes_per_token": {
+            name: round(1 / tpb, 4)
+            for name in splits
+            if (tpb := corpus.tokens_per_byte(name)) is not None
+        },
         "seconds": round(seconds, 3),
     }
+    options = corpus.meta.get("options") or {}
+    if options:
+        summary["options"] = options
+    unk = {name: corpus.unk_tokens(name) for name in splits}
+    if corpus.vocab.unk is not None:
+        summary["unk_tokens"] = unk
+    cutoffs = (corpus.meta.get("adaptive_softmax") or {}).get("suggested_cutoffs")
+    if cutoffs is not None:
+        summary["suggested_cutoffs"] = cutoffs
     if args.json:
         print(json.dumps(summary))
-    else:
-        counts = ", ".join(f"{k} {v:,}" for k, v in splits.items())
-        print(f"{path}: {corpus.level} level, vocabulary {len(corpus.vocab):,}, tokens: {counts}")
+        return 0
+    counts = ", ".join(f"{k} {v:,}" for k, v in splits.items())
+    asked = ""
+    if "vocab_size" in options and options["vocab_size"] != len(corpus.vocab):
+        asked = f" (asked {options['vocab_size']:,}: no more pairs occur twice in train)"
+    print(
+        f"{path}: {corpus.level} level, vocabulary {len(corpus.vocab):,}{asked}, tokens: {counts}"
+    )
+    bpt = summary["bytes_per_token"].get("train")
+    line = f"metric: {corpus.metric} ({describe(corpus.metric)})"
+    if bpt is not None and corpus.level in ("bpe", "word"):
+        line += f"; {bpt:.2f} bytes per token in train"
+    print(line)
+    if corpus.vocab.unk is not None:
+        parts = []
+        for name, n in splits.items():
+            k = unk[name] or 0
+            parts.append(f"{name} {k:,} ({100 * k / n:.2f}%)")
+        print(f"<unk> tokens: {', '.join(parts)}")
+    if cutoffs is not None:
+        hint = f"--set model.cutoffs={json.dumps(cutoffs)}" if cutoffs else "none"
+        print(
+            f"adaptive softmax (ids sorted by train count): cutoffs covering 80%/95% of train "
+            f"tokens: {hint}; below ~16k symbols a full softmax (cutoffs []) costs little"
+        )
     return 0

@@ -65,11 +65,11 @@ class CorpusSpec:
 # Hashes below are the ones published for these archives (each confirmed in several
 # independent public projects); ``None`` marks archives without a published hash.
 SPECS: dict[str, CorpusSpec] = {
-    "shakespeare": CorpusSpec("shakespeare", "char", ("char", "word")),
+    "shakespeare": CorpusSpec("shakespeare", "char", ("char", "word", "bpe")),
     "wt2": CorpusSpec(
         "wt2",
         "word",
-        ("word",),
+        ("word", "bpe"),
         (
             RemoteFile(
                 "https://wikitext.smerity.com/wikitext-2-v1.zip",
@@ -80,7 +80,7 @@ SPECS: dict[str, CorpusSpec] = {
     "wt103": CorpusSpec(
         "wt103",
         "word",
-        ("word",),
+        ("word", "bpe"),
         (
             RemoteFile(
                 "https://wikitext.smerity.com/wikitext-103-v1.zip",
@@ -91,7 +91,7 @@ SPECS: dict[str, CorpusSpec] = {
     "ptb": CorpusSpec(
         "ptb",
         "word",
-        ("word",),
+        ("word", "bpe"),
         (RemoteFile("http://www.fit.vutbr.cz/~imikolov/rnnlm/simple-examples.tgz", None),),
     ),
     "enwik8": CorpusSpec(
@@ -131,7 +131,7 @@ SPECS: dict[str, CorpusSpec] = {
             RemoteFile("https://github.com/rafaljozefowicz/lm/raw/master/1b_word_vocab.txt", None),
         ),
     ),
-    "text": CorpusSpec("text", "char", ("char", "word")),
+    "text": CorpusSpec("text", "char", ("char", "word", "bpe")),
 }
 
 

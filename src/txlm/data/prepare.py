@@ -4,8 +4,10 @@ Layout of a prepared dataset ``DATA_DIR/NAME/``::
 
     train.bin valid.bin test.bin   token ids, raw little-endian, the smallest unsigned dtype
     vocab.json                     the vocabulary (see vocab.py)
+    tokenizer.json                 bpe level only: the learnt BPE (see bpe.py)
     meta.json                      sources and their sha256, sizes, document offsets,
-                                   tokenizer and split settings, the metric (bpc or ppl)
+                                   tokenizer and split settings, the metric (bpc, bpb or
+                                   ppl), each split's UTF-8 size and <unk> count
     SPLIT.docs.bin                 int64 document offsets, only when there are too many
                                    to list in meta.json (lm1b: one per sentence)
 
@@ -16,9 +18,13 @@ Layout of a prepared dataset ``DATA_DIR/NAME/``::
 A dataset is built in a temporary folder next to its final place and renamed into place only
 when complete, so an error or an interrupt never damages an earlier prepared copy. A second
 call whose inputs (source hashes, level, vocabulary options, format version) are unchanged
-returns the existing copy without work; ``force=True`` rebuilds. A build holds a lock on its
-temporary folder (``DATA_DIR/.NAME.tmp-XXXX/.lock``) while it runs; the next prepare of the
-same dataset removes such folders whose lock is free, i.e. those of a killed build.
+returns the existing copy without work; ``force=True`` rebuilds. Vocabulary options left
+unset (``vocab_size``, ``min_freq``, ``max_vocab`` = None) mean "as the existing copy was
+prepared", else the defaults: so ``txlm train`` and ``txlm eval``, which name only the dataset
+and level, find the copy that ``txlm prepare --vocab-size 16000`` made instead of rebuilding it.
+A build holds a lock on its temporary folder (``DATA_DIR/.NAME.tmp-XXXX/.lock``) while it
+runs; the next prepare of the same dataset removes such folders whose lock is free, i.e.
+those of a killed build.
 """
 
 from __future__ import annotations
@@ -38,9 +44,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from txlm.data import corpora
+from txlm.data import bpe, corpora
 from txlm.data.corpora import SPECS, SPLITS, RawCorpus
 from txlm.data.download import fetch, load_record, mirror_url, sha256_file, sha256_overrides
+from txlm.data.metrics import metric_for_level, metric_value
 from txlm.data.vocab import Vocab, write_text_atomic
 from txlm.errors import DataError
 
@@ -72,6 +79,21 @@ class PreparedCorpus:
     @property
     def metric(self) -> str:
         return str(self.meta["metric"])
+
+    def tokens_per_byte(self, name: str) -> float | None:
+        """Tokens per UTF-8 byte of a split's text (what turns a loss into bits per byte)."""
+        info = self._split_meta(name)
+        size = info.get("text_bytes")
+        return int(info["tokens"]) / int(size) if size else None
+
+    def metric_value(self, loss: float, split: str) -> float:
+        """``loss`` (nats per token on ``split``) in this corpus's metric (bpc, bpb or ppl)."""
+        tpb = self.tokens_per_byte(split) if self.metric == "bpb" else None
+        return metric_value(loss, self.metric, tokens_per_byte=tpb)
+
+    def unk_tokens(self, name: str) -> int | None:
+        """How many tokens of a split are ``<unk>`` (None: the vocabulary has none)."""
+        return self._split_meta(name).get("unk_tokens")
 
     def _split_meta(self, name: str) -> dict:
         splits = self.meta["splits"]
@@ -205,11 +227,11 @@ def _is_current(out: Path, key: str) -> bool:
     if not isinstance(meta, dict) or meta.get("input_key") != key:
         return False
     try:  # an edited or foreign (JSON) vocab.json makes the copy stale: rebuild it
-        vocab_text = _read_text(out / "vocab.json")
+        _read_text(out / "vocab.json")  # a binary file there is refused, not rebuilt over
     except OSError:
         return False
     try:
-        if Vocab.from_json(vocab_text).fingerprint != meta.get("vocab_fingerprint"):
+        if Vocab.load(out / "vocab.json").fingerprint != meta.get("vocab_fingerprint"):
             return False
     except DataError:
         return False
@@ -229,25 +251,30 @@ def prepare_dataset(
     force: bool = False,
     mirror: str | None = None,
     progress: bool = True,
-    min_freq: int = 1,
-    max_size: int | None = None,
+    min_freq: int | None = None,
+    max_vocab: int | None = None,
+    vocab_size: int | None = None,
 ) -> Path:
     """Prepare ``name`` under ``data_dir`` (reusing an up-to-date copy) and return its folder.
 
-    ``mirror`` (default: ``$TXLM_MIRROR``) replaces the base URL of every download;
-    ``min_freq``/``max_size`` shape word vocabularies built from train (not lm1b's own).
+    ``mirror`` (default: ``$TXLM_MIRROR``) replaces the base URL of every download.
+    Vocabulary options (None: as the existing copy, else the default): ``min_freq`` and
+    ``max_vocab`` bound word vocabularies built from train (not lm1b's own; rarer words
+    become ``<unk>``), ``vocab_size`` is the bpe level's target size.
     """
     kind, user_path = _parse_name(name)
     spec = SPECS[kind]
     level = level or spec.default_level
     if level not in spec.levels:
         raise DataError(f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}")
-    if min_freq < 1 or (max_size is not None and max_size < 3):
-        raise DataError("min_freq must be >= 1 and max_size >= 3")
     mirror = mirror or os.environ.get("TXLM_MIRROR") or None
     data_dir = Path(data_dir)
     out = data_dir / _out_name(kind, level, user_path)
-    options = {"min_freq": min_freq, "max_size": max_size} if level == "word" else {}
+    options = _vocab_options(
+        out, level, {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
+    )
+    min_freq, max_vocab = options.get("min_freq", 1), options.get("max_vocab")
+    vocab_size = options.get("vocab_size", bpe.DEFAULT_VOCAB_SIZE)
 
     # 1. The inputs and their hashes: cheap for local text, recorded for downloads.
     local_files: list[Path] = []
@@ -296,7 +323,9 @@ def prepare_dataset(
     raw: RawCorpus | None = None
     if kind in ("text", "shakespeare"):
         raw = _read(kind, user_path, paths, data_dir)
-        vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
+        vocab = _build_vocab(
+            raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
+        )
     data_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_temp_folders(data_dir, out.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
@@ -308,10 +337,16 @@ def prepare_dataset(
         work.mkdir()
         if raw is None:
             raw = _read(kind, user_path, paths, work)
-            vocab = _build_vocab(raw, level, min_freq=min_freq, max_size=max_size)
+            vocab = _build_vocab(
+                raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
+            )
         splits_meta = {}
+        train_counts = None
         for split in SPLITS:
-            splits_meta[split] = _encode_split(raw, split, vocab, tmp, progress=progress)
+            splits_meta[split], counts = _encode_split(raw, split, vocab, tmp, progress=progress)
+            if split == "train":
+                train_counts = counts
+        assert train_counts is not None
         vocab.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
@@ -319,17 +354,24 @@ def prepare_dataset(
             "dataset": kind,
             "name": out.name,
             "level": level,
-            "metric": "ppl" if level == "word" else "bpc",
+            "metric": metric_for_level(level),
             "dtype": vocab.dtype.name,
             "vocab_size": len(vocab),
             "vocab_fingerprint": vocab.fingerprint,
             "input_key": key,
+            "options": options,
             "sources": sources,
             "source_bytes": sum(int(s["bytes"]) for s in sources),
             "tokenizer": _tokenizer_settings(level, vocab, options),
             "corpus": raw.settings,
             "splits": splits_meta,
         }
+        if level in ("bpe", "word"):
+            meta["adaptive_softmax"] = {
+                "ids": "sorted by train count (specials first)",
+                "suggested_cutoffs": bpe.suggest_cutoffs(train_counts),
+                "covering": "80% and 95% of the train tokens",
+            }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
         (tmp / TEMP_LOCK).unlink()  # not part of the dataset; the fd keeps the lock until done
@@ -417,12 +459,54 @@ def _read(kind: str, user_path: Path | None, paths: dict[str, Path], work: Path)
     raise DataError(f"no reader for {kind}")  # pragma: no cover - SPECS and _read agree
 
 
-def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | None) -> Vocab:
+_OPTIONS_OF_LEVEL = {"word": ("min_freq", "max_vocab"), "bpe": ("vocab_size",)}
+_FLAG = {"min_freq": "--min-freq", "max_vocab": "--max-vocab", "vocab_size": "--vocab-size"}
+
+
+def _vocab_options(out: Path, level: str, given: dict) -> dict:
+    """The level's vocabulary options: those given, else the existing copy's, else defaults."""
+    wanted = _OPTIONS_OF_LEVEL.get(level, ())
+    for key, value in given.items():
+        if value is not None and key not in wanted:
+            levels = [lv for lv, keys in _OPTIONS_OF_LEVEL.items() if key in keys]
+            raise DataError(f"{_FLAG[key]} is for --level {levels[0]}, not {level}")
+    if given.get("min_freq") is not None and given["min_freq"] < 1:
+        raise DataError(f"--min-freq (min_freq) must be >= 1, got {given['min_freq']}")
+    if given.get("max_vocab") is not None and given["max_vocab"] < 3:
+        raise DataError(
+            f"--max-vocab (max_vocab) must be >= 3 (<unk>, <eos> and a word), "
+            f"got {given['max_vocab']}"
+        )
+    if given.get("vocab_size") is not None:
+        bpe.check_vocab_size(given["vocab_size"])
+    previous: dict = {}
+    try:
+        meta = json.loads((out / "meta.json").read_text(encoding="utf-8"))
+        if isinstance(meta, dict) and meta.get("level") == level:
+            previous = meta.get("options") or {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    defaults = {"min_freq": 1, "max_vocab": None, "vocab_size": bpe.DEFAULT_VOCAB_SIZE}
+    options = {}
+    for key in wanted:
+        value = given.get(key)
+        if value is None:
+            value = previous.get(key, defaults[key])
+        options[key] = value
+    return options
+
+
+def _build_vocab(
+    raw: RawCorpus, level: str, *, min_freq: int, max_vocab: int | None, vocab_size: int
+) -> Vocab:
     if level == "byte":
         return Vocab.byte_level()
     if raw.vocab_file is not None:
         return read_lm1b_vocab(raw.vocab_file)
     train = raw.splits["train"]
+    if level == "bpe":
+        texts = [t if isinstance(t, str) else t.decode("utf-8") for t, _ in train.pieces()]
+        return bpe.train_bpe(texts, vocab_size)
     if level == "char":
         counts: Counter[str] = Counter()
         for text, _ in train.pieces():
@@ -442,7 +526,7 @@ def _build_vocab(raw: RawCorpus, level: str, *, min_freq: int, max_size: int | N
         words.update(text.split())
     if not words:
         raise DataError("the train split has no words")
-    return Vocab.build_word(words, min_freq=min_freq, max_size=max_size)
+    return Vocab.build_word(words, min_freq=min_freq, max_size=max_vocab)
 
 
 def read_lm1b_vocab(path: Path) -> Vocab:
@@ -465,6 +549,14 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
             if vocab.unk
             else "no <unk>: a fixed alphabet, every character occurs in train"
         )
+    if level == "bpe":
+        settings.update(
+            kind="byte-level BPE (Hugging Face tokenizers), trained on the train split",
+            file=bpe.TOKENIZER_FILE,
+            eos=f"{vocab.eos} opens every document",
+            unknown="none: every byte sequence is spelt",
+            **options,
+        )
     if level == "word":
         settings.update(
             split="whitespace",
@@ -478,11 +570,15 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
 
 def _encode_split(
     raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
-) -> dict:
+) -> tuple[dict, np.ndarray]:
+    """Write SPLIT.bin; returns its meta.json entry and the split's token counts."""
     source = raw.splits[split]
     # numpy chunks, not one list of ints: lm1b has 30M sentence starts (1 GB as Python ints)
     starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
     n = 0
+    text_bytes = 0
+    counts = np.zeros(len(vocab), dtype=np.int64)
+    doc_start = vocab.doc_start_id
     file = folder / f"{split}.bin"
     bar = tqdm(
         desc=f"{folder.name.split('.tmp-')[0].lstrip('.')} {split}",
@@ -493,6 +589,7 @@ def _encode_split(
     )
     with open(file, "wb") as f, bar:
         for text, new_doc in source.pieces():
+            text_bytes += len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
             if vocab.level == "word":
                 assert isinstance(text, str)
                 ids_list, line_starts = vocab.encode_lines(text)
@@ -501,9 +598,12 @@ def _encode_split(
                     starts.append(n + np.asarray(line_starts, dtype=np.int64))
             else:
                 ids = vocab.encode_array(text).astype(vocab.dtype)
+            if new_doc and doc_start is not None:  # bpe: <eos> opens every document
+                ids = np.concatenate([np.array([doc_start], dtype=vocab.dtype), ids])
             if new_doc and not source.line_docs:
                 starts.append(np.array([n], dtype=np.int64))
             f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
+            counts += np.bincount(ids, minlength=len(vocab))
             n += len(ids)
             bar.update(len(ids))
     if n == 0:
@@ -511,10 +611,13 @@ def _encode_split(
     doc = np.unique(np.concatenate(starts))
     doc = doc[doc < n]
     info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
+    info["text_bytes"] = text_bytes  # UTF-8 size of the split's text: bits per byte
+    if vocab.unk_id is not None:
+        info["unk_tokens"] = int(counts[vocab.unk_id])
     info["documents"] = len(doc)
     if len(doc) <= INLINE_DOC_STARTS:
         info["doc_starts"] = doc.tolist()
     else:
         doc.astype("<i8").tofile(folder / f"{split}.docs.bin")
         info["doc_starts_file"] = f"{split}.docs.bin"
-    return info
+    return info, counts

@@ -1,6 +1,7 @@
 """Vocabularies: the map between text and token ids, stored as JSON (never a pickle).
 
-Three levels:
+Four levels (``bpe``, a learnt byte-level BPE, lives in ``bpe.py``: ``BPEVocab`` is a
+``Vocab`` too, so nothing that uses a vocabulary needs to know which level it has):
 
 * ``char``: one symbol per Unicode code point. Encoding is vectorised through a lookup table
   over code points, so preparing 100 MB of text takes seconds, not minutes.
@@ -33,7 +34,7 @@ import numpy as np
 
 from txlm.errors import DataError
 
-LEVELS = ("char", "byte", "word")
+LEVELS = ("char", "byte", "word", "bpe")
 FORMAT = "txlm-vocab"
 FORMAT_VERSION = 1
 
@@ -61,6 +62,8 @@ class Vocab:
                 raise DataError(f"vocabulary {name} symbol {sym!r} is not in its symbol list")
         if self.level == "byte" and len(self.symbols) != 256:
             raise DataError("a byte vocabulary has exactly 256 symbols")
+        if self.level == "bpe" and type(self) is Vocab:
+            raise DataError("a bpe vocabulary is a txlm.data.bpe.BPEVocab (it needs its tokenizer)")
 
     # -- construction ---------------------------------------------------------------------
 
@@ -114,6 +117,19 @@ class Vocab:
     @property
     def bos_id(self) -> int | None:
         return None if self.bos is None else self._index[self.bos]
+
+    @property
+    def doc_start_id(self) -> int | None:
+        """The symbol prepare puts before every document, if any (bpe: ``<eos>``)."""
+        return None
+
+    def count_unknown(self, text: str) -> int:
+        """How many symbols of ``text`` the vocabulary lacks (they encode to ``<unk>``)."""
+        if self.level == "word":
+            return sum(1 for w in text.split() if w not in self._index)
+        if self.level == "char":
+            return sum(text.count(ch) for ch in set(text) if ch not in self._index)
+        return 0  # bytes: every value is a symbol
 
     @property
     def fingerprint(self) -> str:
@@ -257,6 +273,10 @@ class Vocab:
             raise DataError("not a txlm vocabulary (missing format: txlm-vocab)")
         if d.get("version") != FORMAT_VERSION:
             raise DataError(f"unsupported vocabulary version {d.get('version')!r}")
+        if d.get("level") == "bpe":
+            raise DataError(
+                "a bpe vocabulary is read from its folder (Vocab.load), with its tokenizer"
+            )
         symbols = d.get("symbols")
         if not isinstance(symbols, list) or not all(isinstance(s, str) for s in symbols):
             raise DataError("vocabulary symbols must be a list of strings")
@@ -282,6 +302,16 @@ class Vocab:
             raise DataError(f"{p} is not UTF-8 text: not a txlm vocabulary") from None
         except OSError as exc:
             raise DataError(f"cannot read {p}: {exc.strerror or exc}") from None
+        try:
+            head = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}: vocabulary is not valid JSON: {exc}") from None
+        if isinstance(head, dict) and head.get("format") == FORMAT and head.get("level") == "bpe":
+            from txlm.data.bpe import BPEVocab  # needs the tokenizers library
+
+            if head.get("version") != FORMAT_VERSION:
+                raise DataError(f"{p}: unsupported vocabulary version {head.get('version')!r}")
+            return BPEVocab.load_beside(head, p)
         try:
             return cls.from_json(text)
         except DataError as exc:  # say which file: a checkpoint's or a dataset's
