@@ -21,7 +21,8 @@ levels: char (default for text), word, byte, bpe (a byte-level BPE learnt on tra
   hundred times in train, enough to learn its embedding; 16k+ pays off from ~100 MB of text.
   The metric of a bpe corpus is bits per byte (comparable across levels and sizes).
 word vocabularies: --min-freq N drops words seen fewer than N times in train, --max-vocab N
-  keeps the N-2 most frequent (plus <unk>, <eos>); the rest become <unk>, counted per split.
+  keeps the N-2 most frequent (plus <unk>, <eos>; 0: no cap); the rest become <unk>, counted
+  per split.
   Options not given: as the existing copy was prepared (txlm train/eval find it), else default.
 downloads: DATA_DIR/downloads/, resumed when interrupted, checked against a published sha256
   (wt2, wt103, enwik8, text8) or the one recorded at first download (ptb, lm1b).
@@ -59,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-vocab", type=int, default=None, metavar="N",
-        help="word level: keep the N most frequent symbols, the rest become <unk>",
+        help="word level: keep the N most frequent symbols, the rest become <unk> (0: no cap)",
     )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print one JSON summary object")

@@ -260,7 +260,7 @@ def prepare_dataset(
     ``mirror`` (default: ``$TXLM_MIRROR``) replaces the base URL of every download.
     Vocabulary options (None: as the existing copy, else the default): ``min_freq`` and
     ``max_vocab`` bound word vocabularies built from train (not lm1b's own; rarer words
-    become ``<unk>``), ``vocab_size`` is the bpe level's target size.
+    become ``<unk>``; ``max_vocab=0``: no cap), ``vocab_size`` is the bpe level's target size.
     """
     kind, user_path = _parse_name(name)
     spec = SPECS[kind]
@@ -472,9 +472,9 @@ def _vocab_options(out: Path, level: str, given: dict) -> dict:
             raise DataError(f"{_FLAG[key]} is for --level {levels[0]}, not {level}")
     if given.get("min_freq") is not None and given["min_freq"] < 1:
         raise DataError(f"--min-freq (min_freq) must be >= 1, got {given['min_freq']}")
-    if given.get("max_vocab") is not None and given["max_vocab"] < 3:
+    if given.get("max_vocab") is not None and given["max_vocab"] != 0 and given["max_vocab"] < 3:
         raise DataError(
-            f"--max-vocab (max_vocab) must be >= 3 (<unk>, <eos> and a word), "
+            f"--max-vocab (max_vocab) must be >= 3 (<unk>, <eos> and a word) or 0 (no cap), "
             f"got {given['max_vocab']}"
         )
     if given.get("vocab_size") is not None:
@@ -492,7 +492,7 @@ def _vocab_options(out: Path, level: str, given: dict) -> dict:
         value = given.get(key)
         if value is None:
             value = previous.get(key, defaults[key])
-        options[key] = value
+        options[key] = None if key == "max_vocab" and value == 0 else value  # 0: no cap
     return options
 
 
