@@ -1,8 +1,16 @@
-"""Data pipeline throughput: ``prepare`` in MB/s and the stream iterators in tokens/s.
+"""Data pipeline throughput: ``prepare`` in MB/s, tokenizers and stream iterators in tokens/s.
 
     python benchmarks/data_throughput.py [--out FILE.json] [--synthetic-mb 100] [--word]
+        [--sections prepare,iterators,tokenize] [--corpus PATH] [--tokenize-mb 10]
+        [--vocab-size 16384]
 
 Measures, in one process on this machine:
+
+* ``tokenize``: the vocabulary levels side by side on one text corpus (``--corpus`` file or
+  folder of .txt, default ``--tokenize-mb`` MB of Shakespeare): ``prepare`` from scratch
+  at char, word and bpe level (bpe: learning the ``--vocab-size`` BPE on train, then
+  encoding every split), and encoding alone (``Vocab.encode_array`` over the whole text with
+  the learnt vocabulary): tokens/s and bytes per token for each level;
 
 * ``prepare`` on the default corpus (Shakespeare, char level; ``--word``: also word level),
   from scratch (``force=True``): source MB / wall second;
@@ -88,13 +96,44 @@ def synthetic_file(folder: Path, megabytes: float) -> Path:
     return out
 
 
+def tokenize_levels(corpus: Path, data_dir: Path, vocab_size: int) -> dict:
+    """char, word and bpe on the same text: prepare (bpe: training included) and encoding."""
+    files = sorted(corpus.rglob("*.txt")) if corpus.is_dir() else [corpus]
+    text = "".join(f.read_text(encoding="utf-8") for f in files)
+    n_bytes = len(text.encode("utf-8"))
+    out: dict = {"corpus": corpus.name, "mb": round(n_bytes / 1e6, 2), "levels": {}}
+    for level in ("char", "word", "bpe"):
+        kw = {"vocab_size": vocab_size} if level == "bpe" else {}
+        prep = timed_prepare(f"text:{corpus}", data_dir, level=level, **kw)
+        vocab = load_prepared(prep["path"]).vocab
+        start, cpu = time.perf_counter(), time.process_time()
+        n = len(vocab.encode_array(text))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
+        out["levels"][level] = {
+            "vocab_size": len(vocab),
+            "prepare_seconds": prep["seconds"],
+            "prepare_cpu_seconds": prep["cpu_seconds"],
+            "encode_tokens": n,
+            "encode_seconds": round(seconds, 3),
+            "encode_tokens_per_s": round(n / seconds),
+            "encode_tokens_per_cpu_s": round(n / cpu) if cpu > 0 else None,
+            "bytes_per_token": round(n_bytes / n, 3),
+        }
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--synthetic-mb", type=float, default=100.0)
     ap.add_argument("--word", action="store_true", help="also time word-level prepares")
     ap.add_argument("--batches", type=int, default=300)
+    ap.add_argument("--sections", default="prepare,iterators,tokenize")
+    ap.add_argument("--corpus", type=Path, default=None, help="tokenize: a .txt file or folder")
+    ap.add_argument("--tokenize-mb", type=float, default=10.0)
+    ap.add_argument("--vocab-size", type=int, default=16384, help="tokenize: the bpe size")
     args = ap.parse_args()
+    sections = set(args.sections.split(","))
     torch.set_num_threads(1)
     result: dict = {
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
@@ -104,6 +143,15 @@ def main() -> None:
     }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        if "tokenize" in sections:
+            corpus = args.corpus or synthetic_file(root, args.tokenize_mb)
+            result["tokenize"] = tokenize_levels(corpus, root / "tok", args.vocab_size)
+            if args.corpus is None:
+                corpus.unlink()
+                result["tokenize"]["corpus"] = f"synthetic ({args.tokenize_mb} MB of Shakespeare)"
+        if not sections & {"prepare", "iterators"}:
+            _emit(result, args.out)
+            return
         shakes = timed_prepare("shakespeare", root / "data")
         result["prepare"].append(shakes)
         if args.word:
@@ -136,11 +184,15 @@ def main() -> None:
             ),
             args.batches,
         )
+    _emit(result, args.out)
+
+
+def _emit(result: dict, out: Path | None) -> None:
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ def test_prepare_bpe_corpus(tmp_path):
     # The split decodes back to its documents exactly, <eos> at each start.
     expected = "".join(EOS + f.read_text() for f in files[:10])
     assert c.vocab.decode(train) == expected
+    # ids numbered by their count in train.bin itself (written before the renumbering)
+    assert (np.diff(np.bincount(train, minlength=len(c.vocab))[1:]) <= 0).all()
     info = c.meta["splits"]["train"]
     assert info["text_bytes"] == sum(len(f.read_bytes()) for f in files[:10])
     assert c.tokens_per_byte("train") == pytest.approx(info["tokens"] / info["text_bytes"])

@@ -26,9 +26,7 @@ def run(tmp_path_factory):
     text = tiny_text(root, n_chars=12000)
     text.write_text(text.read_text() + UNICODE_TAIL * 3)
     data = root / "data"
-    p = txlm(
-        ["prepare", f"text:{text}", "--level", "bpe", "--vocab-size", "400", "--json"], data
-    )
+    p = txlm(["prepare", f"text:{text}", "--level", "bpe", "--vocab-size", "400", "--json"], data)
     assert p.returncode == 0, p.stderr
     prepared = json.loads(p.stdout)
     t = txlm(

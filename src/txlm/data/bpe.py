@@ -227,12 +227,16 @@ def check_vocab_size(vocab_size: int) -> None:
         )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> BPEVocab:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE, *, renumber: bool = True
+) -> BPEVocab:
     """Learn a byte-level BPE of at most ``vocab_size`` tokens from ``texts`` (the train split).
 
     Merges seen only once are not learnt (``min_frequency=2``): on a small corpus the
     vocabulary then stays below ``vocab_size`` instead of filling up with one-off strings.
-    Ids are then renumbered by count in ``texts`` (see the module docstring).
+    Ids are then renumbered by count in ``texts`` (see the module docstring); ``renumber=
+    False`` leaves that to the caller (prepare counts while it encodes the split anyway,
+    and renumbers the ids it wrote: one encoding pass instead of two).
     """
     check_vocab_size(vocab_size)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -259,8 +263,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> BPE
     )
     tok.train_from_iterator(_pieces_of(texts), trainer)
     first = BPEVocab.from_tokenizer_json(tok.to_str())
-    counts = token_counts(first, texts)
-    return renumber_by_count(first, counts)
+    if not renumber:
+        return first
+    return renumber_by_count(first, token_counts(first, texts))[0]
 
 
 def _pieces_of(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -276,17 +281,20 @@ def token_counts(vocab: BPEVocab, texts: Iterable[str]) -> np.ndarray:
     return counts
 
 
-def renumber_by_count(vocab: BPEVocab, counts: np.ndarray) -> BPEVocab:
-    """The same tokenizer with ids by decreasing count (``<eos>`` first, ties by token)."""
+def renumber_by_count(vocab: BPEVocab, counts: np.ndarray) -> tuple[BPEVocab, np.ndarray]:
+    """The same tokenizer with ids by decreasing count (``<eos>`` first, ties by token),
+    and the map old id -> new id (``new_ids = lut[old_ids]``)."""
     assert vocab.eos_id is not None
     rest = [i for i in range(len(vocab)) if i != vocab.eos_id]
     rest.sort(key=lambda i: (-int(counts[i]), vocab.symbols[i]))
-    new_id = {vocab.symbols[old]: new for new, old in enumerate([vocab.eos_id, *rest])}
+    order = [vocab.eos_id, *rest]
+    lut = np.empty(len(vocab), dtype=np.int64)
+    lut[order] = np.arange(len(vocab))
     data = json.loads(vocab.tokenizer_json)
-    data["model"]["vocab"] = {s: new_id[s] for s in data["model"]["vocab"]}
+    data["model"]["vocab"] = {s: int(lut[i]) for s, i in data["model"]["vocab"].items()}
     for added in data.get("added_tokens") or []:
-        added["id"] = new_id[added["content"]]
-    return BPEVocab.from_tokenizer_json(json.dumps(data, ensure_ascii=False))
+        added["id"] = int(lut[added["id"]])
+    return BPEVocab.from_tokenizer_json(json.dumps(data, ensure_ascii=False)), lut
 
 
 def suggest_cutoffs(counts: np.ndarray, coverage: tuple[float, ...] = (0.8, 0.95)) -> list[int]:

@@ -340,13 +340,7 @@ def prepare_dataset(
             vocab = _build_vocab(
                 raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
             )
-        splits_meta = {}
-        train_counts = None
-        for split in SPLITS:
-            splits_meta[split], counts = _encode_split(raw, split, vocab, tmp, progress=progress)
-            if split == "train":
-                train_counts = counts
-        assert train_counts is not None
+        vocab, splits_meta, train_counts = _encode_splits(raw, vocab, tmp, progress=progress)
         vocab.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
@@ -506,7 +500,7 @@ def _build_vocab(
     train = raw.splits["train"]
     if level == "bpe":
         texts = [t if isinstance(t, str) else t.decode("utf-8") for t, _ in train.pieces()]
-        return bpe.train_bpe(texts, vocab_size)
+        return bpe.train_bpe(texts, vocab_size, renumber=False)  # see _encode_splits
     if level == "char":
         counts: Counter[str] = Counter()
         for text, _ in train.pieces():
@@ -566,6 +560,28 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
             **options,
         )
     return settings
+
+
+def _encode_splits(
+    raw: RawCorpus, vocab: Vocab, folder: Path, *, progress: bool
+) -> tuple[Vocab, dict, np.ndarray]:
+    """Every split written; the final vocabulary, the splits' meta.json and train's counts.
+
+    A bpe vocabulary arrives numbered in merge order: train is encoded with it, then its ids
+    are renumbered by the counts of that pass (bpe.renumber_by_count) and train.bin is
+    rewritten through the map, before valid and test are encoded with the final numbering.
+    """
+    splits: dict = {}
+    splits["train"], counts = _encode_split(raw, "train", vocab, folder, progress=progress)
+    if isinstance(vocab, bpe.BPEVocab):
+        vocab, lut = bpe.renumber_by_count(vocab, counts)
+        file = folder / splits["train"]["file"]
+        ids = np.fromfile(file, dtype=np.dtype(vocab.dtype).newbyteorder("<"))
+        lut.astype(ids.dtype)[ids].tofile(file)
+        counts = counts[np.argsort(lut)]  # counts[new id]
+    for split in SPLITS[1:]:
+        splits[split] = _encode_split(raw, split, vocab, folder, progress=progress)[0]
+    return vocab, splits, counts
 
 
 def _encode_split(
