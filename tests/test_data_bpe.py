@@ -232,3 +232,26 @@ def test_word_vocabulary_bounds_and_unk_counts(tmp_path):
         prepare_dataset(name, tmp_path / "d", level="word", vocab_size=1000)
     with pytest.raises(DataError, match="--max-vocab"):
         prepare_dataset(name, tmp_path / "d", level="word", max_vocab=2)
+
+
+def test_throughput_benchmark_reports_the_three_levels(tmp_path):
+    """benchmarks/data_throughput.py --sections tokenize: tokens/s for char, word and bpe
+    on one corpus, and bytes per token that order as the levels must (char 1, bpe between)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "c.txt").write_text(TRAIN * 3)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "data_throughput.py"
+    p = subprocess.run(
+        [sys.executable, str(script), "--sections", "tokenize", "--corpus",
+         str(tmp_path / "c.txt"), "--vocab-size", "300", "--out", str(tmp_path / "r.json")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    levels = json.loads((tmp_path / "r.json").read_text())["tokenize"]["levels"]
+    assert set(levels) == {"char", "word", "bpe"}
+    assert all(v["encode_tokens_per_s"] > 0 for v in levels.values())
+    bpt = {k: v["bytes_per_token"] for k, v in levels.items()}
+    assert bpt["char"] < bpt["bpe"] < bpt["word"] and bpt["char"] == pytest.approx(
+        len((TRAIN * 3).encode()) / len(TRAIN * 3), 1e-3
+    )
