@@ -102,8 +102,8 @@ class BPEVocab(Vocab):
     """A ``Vocab`` whose symbols are byte-level BPE tokens (``symbols[i]`` is token i)."""
 
     tokenizer_json: str = field(default="", repr=False)
-    _tok: Any = field(init=False, repr=False, default=None)
-    _fingerprint: str = field(init=False, repr=False, default="")
+    _tok: Any = field(init=False, repr=False, default=None, compare=False)
+    _fingerprint: str = field(init=False, repr=False, default="", compare=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
