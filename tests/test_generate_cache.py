@@ -117,12 +117,9 @@ def test_cache_holds_projections_of_the_trimmed_memory() -> None:
         for n, layer in enumerate(model.layers):
             mem = plain.mems[n]
             k, v = layer.attn.project_kv(layer.attn.norm(mem))
-            torch.testing.assert_close(
-                cache.k[n, :, :, cache.start : cache.end], k, atol=ATOL, rtol=0
-            )
-            torch.testing.assert_close(
-                cache.v[n, :, :, cache.start : cache.end], v, atol=ATOL, rtol=0
-            )
+            got_k, got_v = cache.window(n)
+            torch.testing.assert_close(got_k, k, atol=ATOL, rtol=0)
+            torch.testing.assert_close(got_v, v, atol=ATOL, rtol=0)
 
 
 def test_incremental_matches_one_long_forward_without_trimming() -> None:
@@ -219,10 +216,9 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
-    """Under CPU autocast the decoder prepares its weight copies in bf16 once (the cached
-    attention stays float32 on a CPU): a step casts no weight (it used to cast all of them,
-    and the cache window, every token) and still follows the float32 reference to bf16
-    accuracy."""
+    """Under CPU autocast the decoder runs a bf16 copy of the model, made once (the cached
+    attention stays float32 on a CPU): a step casts no weight (autocast would cast all of
+    them every token) and still follows the float32 reference to bf16 accuracy."""
     model = make_model(d_inner=96)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(0, 64, (13,), generator=g).tolist()
@@ -236,8 +232,8 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
             with casts if i == 20 else contextlib.nullcontext():
                 rows.append(dec.step(torch.tensor([tok]))[0])
     got = torch.stack(rows)
-    assert dec.layers[0].qkv_t.dtype == torch.bfloat16  # weight products: autocast's dtype
-    assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
+    assert dec.net.layers[0].attn.qkv.weight.dtype == torch.bfloat16  # a bf16 copy, made once
+    assert dec.cache.k.dtype == torch.float32  # CPU: one-query attention stays float32
     layer = model.layers[0]
     linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)
     smallest_weight = min(m.weight.numel() for m in linears)
@@ -248,5 +244,5 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
 
     # outside autocast the same decoder goes back to float32 (weights and the cache)
     step = dec.step(torch.tensor([cont[-1]]))
-    assert dec.cache.kv.dtype == torch.float32 and dec.layers[0].qkv_t.dtype == torch.float32
+    assert dec.cache.k.dtype == torch.float32 and dec.net is model
     assert torch.isfinite(step).all()

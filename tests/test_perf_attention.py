@@ -1,6 +1,6 @@
 """The optimised attention paths compute the paper's scores: fewer passes, same numbers.
 
-- ``_scores`` (scale on the queries, additive mask, baddbmm) equals the textbook sum of
+- ``_bias`` + ``_scores`` (scale on the queries, additive mask, baddbmm) equal the textbook sum of
   ``score_terms`` scaled and masked, for the shared and the per-row mask, with and without
   a position term;
 - the "sdpa" and "math" implementations give the same outputs and the same gradients in
@@ -66,7 +66,8 @@ def test_fused_scores_equal_reference(float64, per_row, with_position):
         mask[1, :, :, :mlen] = False  # a reset row: no memory
     inputs = [q, k, u] + ([rk, v] if with_position else [])
 
-    got = attn._scores(q, k, rk, mask, u, v)
+    bias, fresh = attn._bias(q, rk, mask, v, None)
+    got = attn._scores((q + u[:, None, :]) * attn.scale, k, bias, fresh)
     want = reference_scores(attn, q, k, rk, mask, u, v)
     assert got.shape == (b, h, qlen, klen)
     assert torch.equal(torch.isinf(got), ~mask.expand_as(got))

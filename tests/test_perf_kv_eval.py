@@ -46,7 +46,7 @@ def test_cached_eval_equals_forward(overrides, resets):
     model = make_model(**overrides)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (B, L * SEGMENTS), generator=g)
-    runner = CachedEvaluator(model)
+    runner, loss_runner = CachedEvaluator(model), CachedEvaluator(model)
     mems = mem_mask = None
     for s, seg in enumerate(ids.split(L, dim=1)):
         reset = None
@@ -61,11 +61,9 @@ def test_cached_eval_equals_forward(overrides, resets):
             ref = model(seg, mems=mems, reset=reset, mem_mask=mem_mask)
             ref_loss = model(seg, mems=mems, reset=reset, mem_mask=mem_mask, labels=labels).losses
         mems, mem_mask = ref.mems, ref.mem_mask
-        # the runner is stateful: run the same segment once for log-probs, once for losses
-        saved = (runner.mems, runner.mem_mask, runner.kv)
+        # the runners are stateful: one gives log-probs, the other (in step) losses
         out = runner(seg, reset=reset)
-        runner.mems, runner.mem_mask, runner.kv = saved
-        out_loss = runner(seg, labels=labels, reset=reset).losses
+        out_loss = loss_runner(seg, labels=labels, reset=reset).losses
         torch.testing.assert_close(out.log_probs, ref.log_probs, atol=ATOL, rtol=0)
         torch.testing.assert_close(out_loss, ref_loss, atol=ATOL, rtol=0)
         for a, b in zip(out.mems, ref.mems, strict=True):
@@ -74,7 +72,8 @@ def test_cached_eval_equals_forward(overrides, resets):
         if ref.mem_mask is not None:
             assert torch.equal(out.mem_mask, ref.mem_mask)
         # the cache holds exactly the memory's projections
-        for n, (k, v) in enumerate(runner.kv):
+        for n in range(model.config.n_layer):
+            k, v = runner.cache.window(n)
             attn = model.layers[n].attn
             x = mems[n]
             if model.config.pre_lnorm:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
+from txlm.model.cache import LayerCache
 from txlm.model.dropout import Dropout, dropout
 
 
@@ -46,7 +47,7 @@ def rel_shift(x: Tensor) -> Tensor:
     return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
 
 
-def _additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
+def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Bool mask (True: may attend) -> 0 / -inf bias of the same shape, to add to scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         ~mask, float("-inf")
@@ -125,47 +126,48 @@ class RelativeAttention(nn.Module):
         qp = q if v is None else q + v[:, None, :]
         return content, rel_shift(qp @ rk.transpose(-1, -2))
 
-    def _scores(
-        self,
-        q: Tensor,
-        k: Tensor,
-        rk: Tensor | None,
-        mask: Tensor,
-        u: Tensor | None,
-        v: Tensor | None,
-    ) -> Tensor:
-        """Scaled, masked scores [B, H, L, K]: the same numbers as ``score_terms`` summed,
-        scaled and masked, in fewer passes over the [B, H, L, K] buffer (it dominates the
-        memory traffic): the scale goes onto the queries ([B, H, L, Dh], K/Dh times smaller),
-        the mask is an additive 0/-inf bias added to the shifted position scores, and the
-        content matmul accumulates onto that sum (baddbmm with beta = 1).
-        """
-        batch, heads, qlen, d_head = q.shape
+    def _scores(self, qc: Tensor, k: Tensor, bias: Tensor, fresh: bool) -> Tensor:
+        """Scaled scores [B, H, L, K] = qc . k + bias (qc already scaled), in one pass over the
+        [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
+        onto the bias (baddbmm, beta = 1). In place when the bias is ``fresh`` (a sum nothing
+        else references) and not a view that autograd would have to copy for it."""
+        batch, heads, qlen, d_head = qc.shape
         klen = k.size(2)
         rows = batch * heads
-        # The keys' dtype is the matmuls' (bf16 under autocast, where q + u would promote to
-        # float32): baddbmm_ is in place, so autocast does not cast its inputs for us.
-        dtype = k.dtype
-        qc = ((q if u is None else q + u[:, None, :]) * self.scale).to(dtype)
         qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
-        mask_bias = _additive_mask(mask, dtype)  # [L, K] or [B, 1, L, K]
-        if rk is not None and mask.dim() == 2:
-            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
-            # rel_shift's view merges (B, H) without a copy; the sum is a new 3-D tensor that
-            # nothing else references, so the content matmul may accumulate into it in place
-            # (add saves no inputs for backward; baddbmm's backward needs only qc and kt).
-            scores = rel_shift(qp @ rk.transpose(-1, -2)).view(rows, qlen, klen) + mask_bias
-            return scores.baddbmm_(qc, kt).view(batch, heads, qlen, klen)
-        # Per-row masks (or no position term): the sum is [B, H, L, K] and its 3-D form a
-        # view, which in-place autograd would have to copy; accumulate out of place instead.
-        if rk is None:
-            bias = mask_bias.expand(batch, heads, qlen, klen)
+        if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
+            scores = bias.view(rows, qlen, klen).baddbmm_(qc, kt)  # backward needs qc, kt only
         else:
-            qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(dtype)
-            bias = rel_shift(qp @ rk.transpose(-1, -2)) + mask_bias
-        scores = torch.baddbmm(bias.reshape(rows, qlen, klen), qc, kt)
+            bias = bias.expand(batch, heads, qlen, klen).reshape(rows, qlen, klen)
+            scores = torch.baddbmm(bias, qc, kt)
         return scores.view(batch, heads, qlen, klen)
+
+    def _bias(
+        self, q: Tensor, rk: Tensor | None, mask: Tensor, v: Tensor | None, cache: LayerCache | None
+    ) -> tuple[Tensor, bool]:
+        """The additive bias: the scaled position scores (b)+(d) plus the mask as 0 / -inf,
+        and whether it is a fresh tensor (see ``_scores``). It is [B H, L, K] for a shared
+        [L, K] mask, else broadcastable to [B, H, L, K].
+
+        (q + v) . r is computed once per distance, then laid out per pair: by the relative
+        shift (a view) for [memory; segment] keys, by the cache's distance index for its
+        ring of slots. The scale goes onto the queries ([B, H, L, Dh], K/Dh times smaller).
+        """
+        dtype = q.dtype if rk is None else rk.dtype
+        mask_bias = mask.to(dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
+        if rk is None:
+            return mask_bias, False
+        qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(rk.dtype)
+        per_distance = qp @ rk.transpose(-1, -2)  # [B, H, L, K+1] or [B, H, L, S]
+        if cache is None:
+            pairs = rel_shift(per_distance)
+        else:
+            pairs = per_distance.gather(-1, cache.step.index.expand(*qp.shape[:2], -1, -1))
+        if mask_bias.dim() == 2:  # merging (B, H) is a view, and the sum a new 3-D tensor
+            batch, heads, qlen, klen = pairs.shape
+            return pairs.reshape(batch * heads, qlen, klen) + mask_bias, True
+        return pairs + mask_bias, True
 
     # -- forward ------------------------------------------------------------------------
     def forward(
@@ -177,71 +179,46 @@ class RelativeAttention(nn.Module):
         u: Tensor | None = None,
         v: Tensor | None = None,
         *,
-        past_kv: tuple[Tensor, Tensor] | None = None,
-        return_kv: bool = False,
+        cache: LayerCache | None = None,
         return_probs: bool = False,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions).
 
-        mask: bool [L, K] or [B, 1, L, K], True where attention is allowed.
+        mask: True (or 0.0) where attention is allowed, [L, K] or [B, 1, L, K]; float masks
+            are additive (0 / -inf).
         pos: R [K+1, D] for "xl", distances [K+1] for "shaw", None for absolute encodings.
-        past_kv: keys/values [B, H, M, Dh] already projected for the memory (generation
-            cache); then ``mem`` is not re-projected. ``return_kv`` hands back this segment's.
-        Returns (output [B, L, D], extras) with extras "k", "v" (current positions) and
-        "probs" [B, H, L, K] on request.
+        cache: inference only. The memory's keys and values come from the cache (``mem`` is
+            not used), this segment's are written into it, and the keys are its S slots
+            (K = S; ``mask`` is the cache's).
+        Returns (output [B, L, D], extras) with "probs" [B, H, L, K] on request.
         """
-        qlen = h.size(1)
-        x_cur = self.norm(h) if self.pre_lnorm else h
-        w_q, w_kv = self._split_qkv()
-        extras: dict[str, Tensor] = {}
-        if past_kv is not None:
-            # the memory is already projected: one matmul gives this segment's q, k and v
-            q, k_cur, v_cur = (self._heads(t) for t in self.qkv(x_cur).chunk(3, dim=-1))
-            k = torch.cat([past_kv[0], k_cur], dim=2)
-            val = torch.cat([past_kv[1], v_cur], dim=2)
-        elif (
-            mem is not None
-            and mem.size(1) > 0
-            and not self.pre_lnorm
-            and x_cur.requires_grad
-            and not mem.requires_grad
-        ):
-            # Training with memory: the memory is a constant (stop-gradient, Sec. 3.2), so
-            # project it on its own. Projecting [memory; segment] in one product would make
-            # the backward compute an input gradient for the M memory rows only to drop it:
-            # 2 B M D 2I FLOPs per layer, ~4% of a step. (Pre-LN needs that gradient for
-            # its LayerNorm's parameters, so it takes the general path below.)
-            inner = self.n_head * self.d_head
-            # this segment's queries, keys, values in one product; one split, whose backward
-            # is a single concatenation (two slices would each zero-fill a [B, L, 3I] grad)
-            q_cur, kv_cur = self.qkv(x_cur).split([inner, 2 * inner], dim=-1)
-            kv = torch.cat([F.linear(mem, w_kv), kv_cur], dim=1)  # [B, K, 2I]
-            q = self._heads(q_cur)
-            k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
-            k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
-        else:
-            q = self._heads(F.linear(x_cur, w_q))  # [B, H, L, Dh]
-            if mem is not None and mem.size(1) > 0:
-                x_all = torch.cat([self.norm(mem) if self.pre_lnorm else mem, x_cur], dim=1)
-            else:
-                x_all = x_cur
-            k, val = self.project_kv(x_all, w_kv)
-            k_cur, v_cur = k[:, :, -qlen:], val[:, :, -qlen:]
-        if return_kv:
-            extras["k"], extras["v"] = k_cur, v_cur
+        x = self.norm(h) if self.pre_lnorm else h
+        q, k, val = self._project(x, mem, cache)
 
         if self.attn_type == "xl":
             u = self.u if hasattr(self, "u") else u
             v = self.v if hasattr(self, "v") else v
         else:
             u = v = None
-        rk = self.position_keys(pos) if pos is not None else None
-        rk = rk.to(q.dtype) if rk is not None else None
-
-        if self._use_sdpa(q, rk, return_probs):
-            attn = self._sdpa(q, k, val, rk, mask, u, v)
+        if cache is not None:
+            rk = cache.table
         else:
-            scores = self._scores(q, k, rk, mask, u, v)
+            rk = self.position_keys(pos) if pos is not None else None
+        rk = rk.to(k.dtype) if rk is not None else None
+        bias, fresh = self._bias(q, rk, mask, v, cache)
+        qc = q if u is None else q + u[:, None, :]  # content terms (a) + (c)
+
+        extras: dict[str, Tensor] = {}
+        if self._use_sdpa(q, rk, return_probs):
+            p_drop = self.dropatt if self.training else 0.0
+            if bias.dim() == 3:
+                bias = bias.view(q.size(0), q.size(1), *bias.shape[1:])
+            attn = F.scaled_dot_product_attention(
+                qc, k, val, attn_mask=bias.to(k.dtype), dropout_p=p_drop, scale=self.scale
+            )
+        else:
+            # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
+            scores = self._scores((qc * self.scale).to(k.dtype), k, bias.to(k.dtype), fresh)
             probs = torch.softmax(
                 scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
             )
@@ -255,6 +232,28 @@ class RelativeAttention(nn.Module):
         out = h + out if self.pre_lnorm else self.norm(h + out)
         return out, extras
 
+    def _project(
+        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees.
+
+        One product gives this segment's q, k and v (one ``split``: its backward is a single
+        concatenation, where slices would each zero-fill a full-size gradient). The memory
+        is a constant (stop-gradient, Sec. 3.2), projected in its own product, so training's
+        backward computes no input gradient for its M rows (2 B M D 2I FLOPs per layer).
+        """
+        inner = self.n_head * self.d_head
+        q, kv = self.qkv(x).split([inner, 2 * inner], dim=-1)
+        if cache is None and mem is not None and mem.size(1) > 0:
+            m = self.norm(mem) if self.pre_lnorm else mem
+            kv = torch.cat([F.linear(m, self._split_qkv()[1]).to(kv.dtype), kv], dim=1)
+        k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
+        q = self._heads(q)
+        if cache is not None:  # attention runs in the cache's dtype (see CachedDecoder)
+            k, val = cache.write(k, val)
+            q = q.to(k.dtype)
+        return q, k, val
+
     def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:
         """Whether the fused kernel runs. On the CPU, torch's fused SDPA kernel has no
         backward for an attention bias: when the position bias needs a gradient (training)
@@ -266,29 +265,6 @@ class RelativeAttention(nn.Module):
             rk is not None and torch.is_grad_enabled() and (q.requires_grad or rk.requires_grad)
         )
         return not (bias_needs_grad and q.device.type == "cpu")
-
-    def _sdpa(
-        self,
-        q: Tensor,
-        k: Tensor,
-        val: Tensor,
-        rk: Tensor | None,
-        mask: Tensor,
-        u: Tensor | None,
-        v: Tensor | None,
-    ) -> Tensor:
-        """Fused path: (a)+(c) inside scaled_dot_product_attention, (b)+(d) as additive bias."""
-        p_drop = self.dropatt if self.training else 0.0
-        if rk is None:
-            return F.scaled_dot_product_attention(q, k, val, attn_mask=mask, dropout_p=p_drop)
-        # One pass builds the bias: the scale goes onto the queries ([B, H, L, Dh]) and the
-        # mask is added as 0/-inf, instead of a scale pass and a masked_fill pass.
-        qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(k.dtype)
-        bias = rel_shift(qp @ rk.transpose(-1, -2)) + _additive_mask(mask, k.dtype)
-        qc = q if u is None else q + u[:, None, :]
-        return F.scaled_dot_product_attention(
-            qc, k, val, attn_mask=bias, dropout_p=p_drop, scale=self.scale
-        )
 
 
 class PositionwiseFF(nn.Module):

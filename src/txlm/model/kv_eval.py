@@ -13,10 +13,11 @@ segment projects only its L new positions. That saves 4 M D (H Dh) FLOPs per lay
 half the key/value work at M = L and 80% at M = 4L (mem 512, segment 128).
 
 The results equal ``model(...)`` segment by segment up to float rounding (the same products,
-blocked differently by the matmul): tests/test_perf_kv_eval.py. Masks, reset rows, mem_mask,
-same_length and clamp_len all go through the model's own ``transform``; only the memory's
-key/value projection is skipped. Opt-in, for inference only: training needs the projections
-in the autograd graph, and dropout would make them differ.
+blocked differently by the matmul): tests/test_perf_kv_eval.py. It is the model's own
+``transform`` with a ``KVCache`` (txlm.model.cache), the same one generation decodes with;
+the hidden-state memory is carried too, so ``out.mems`` and ``out.mem_mask`` are the model's.
+Opt-in, for inference only: training needs the projections in the autograd graph, and dropout
+would make them differ.
 
     runner = CachedEvaluator(model)             # model.eval()
     for batch in stream:
@@ -28,12 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from txlm.model.cache import KVCache
 from txlm.model.transformer import TransformerXL, TransformerXLOutput
 
 
 class CachedEvaluator:
     """Runs consecutive segments of the same rows through ``model``, carrying the memory
-    (hidden states, their validity mask, and the projected keys/values)."""
+    (hidden states, their validity mask, and the cache of projected keys/values)."""
 
     def __init__(self, model: TransformerXL) -> None:
         self.model = model
@@ -43,7 +45,7 @@ class CachedEvaluator:
         """Forget the memory: the next segment starts every row from scratch."""
         self.mems: list[Tensor] | None = None
         self.mem_mask: Tensor | None = None
-        self.kv: list[tuple[Tensor, Tensor]] | None = None
+        self.cache: KVCache | None = None
 
     @torch.no_grad()
     def __call__(
@@ -53,25 +55,12 @@ class CachedEvaluator:
         model = self.model
         if model.training:
             raise RuntimeError("CachedEvaluator needs model.eval(): dropout changes projections")
-        extras: list[dict] = []
-        hidden, mems, mem_mask = model.transform(
-            input_ids,
-            self.mems,
-            reset,
-            self.mem_mask,
-            attn_kwargs={"return_kv": True},
-            extras=extras,
-            past_kv=self.kv,
+        if self.cache is None or self.cache.batch != input_ids.size(0):
+            self.cache = model.new_cache(
+                input_ids.size(0), max(input_ids.size(1), model.config.tgt_len)
+            )
+            self.mems = model.init_mems(input_ids.size(0))
+        hidden, self.mems, self.mem_mask = model.transform(
+            input_ids, self.mems, reset, self.mem_mask, cache=self.cache
         )
-        # Tail_M of [past; current], exactly as update_memory trims the hidden states.
-        keep = mems[0].size(1)
-        kv = []
-        for n, e in enumerate(extras):
-            k, v = e["k"], e["v"]
-            if self.kv is not None and self.mems is not None and self.mems[0].size(1) > 0:
-                k = torch.cat([self.kv[n][0], k], dim=2)
-                v = torch.cat([self.kv[n][1], v], dim=2)
-            kv.append((k[:, :, k.size(2) - keep :], v[:, :, v.size(2) - keep :]))
-        self.mems, self.mem_mask, self.kv = mems, mem_mask, kv
-
-        return model.output(hidden, mems, mem_mask, labels)
+        return model.output(hidden, self.mems, self.mem_mask, labels)

@@ -27,6 +27,7 @@ from txlm.config import ModelConfig
 from txlm.errors import ConfigError
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
+from txlm.model.cache import KVCache, LayerCache
 from txlm.model.dropout import Dropout
 from txlm.model.mask import attention_mask
 from txlm.model.memory import update_memory
@@ -233,16 +234,17 @@ class TransformerXL(nn.Module):
         reset: Tensor | None = None,
         mem_mask: Tensor | None = None,
         *,
+        cache: KVCache | None = None,
         attn_kwargs: dict | None = None,
         extras: list[dict] | None = None,
-        past_kv: list[tuple[Tensor, Tensor]] | None = None,
     ) -> tuple[Tensor, list[Tensor], Tensor | None]:
         """Hidden states [B, L, D], the updated memory and its validity (no output layer).
 
+        ``cache`` (inference): the memory's keys and values come from it and this segment's
+        go into it (txlm.model.cache); ``mems`` and ``mem_mask`` are then only carried along
+        (updated when given, for callers that want the hidden-state memory too).
         ``extras``, when a list, receives each layer's attention extras (see
-        RelativeAttention.forward; ``attn_kwargs`` asks for them). ``past_kv``: per layer the
-        keys and values [B, H, M, Dh] already projected from ``mems`` (inference only; see
-        txlm.model.kv_eval), so the memory is not projected again.
+        RelativeAttention.forward; ``attn_kwargs`` asks for them).
         """
         c = self.config
         if input_ids.dim() != 2:
@@ -261,20 +263,22 @@ class TransformerXL(nn.Module):
             h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
         h = self.drop(h)
 
-        mask, next_valid = attention_mask(
-            qlen, mlen, mem_len=c.mem_len, same_length=c.same_length,
-            reset=reset, mem_valid=mem_mask, device=device,
-        )  # fmt: skip
         pos: Tensor | None = None
-        if c.attn_type == "xl":
-            dist = relative_distances(klen, c.clamp_len, device)
-            pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
-        elif c.attn_type == "shaw":
-            pos = relative_distances(
-                klen,
-                min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1,
-                device,
-            )
+        if cache is not None:
+            step = cache.advance(qlen, reset, same_length=c.same_length)
+            mask, next_valid = step.visible, None
+            if c.attn_type in ("xl", "shaw"):
+                cache.ensure_tables(self.position_table)
+        else:
+            mask, next_valid = attention_mask(
+                qlen, mlen, mem_len=c.mem_len, same_length=c.same_length,
+                reset=reset, mem_valid=mem_mask, device=device,
+            )  # fmt: skip
+            if c.attn_type == "xl":
+                dist = relative_distances(klen, c.clamp_len, device)
+                pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
+            elif c.attn_type == "shaw":
+                pos = relative_distances(klen, self._shaw_clamp(), device)
         u = getattr(self, "u", None)
         v = getattr(self, "v", None)
 
@@ -285,13 +289,50 @@ class TransformerXL(nn.Module):
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
             hiddens.append(h)
             layer_kwargs = dict(attn_kwargs or {})
-            if past_kv is not None and mlen > 0:
-                layer_kwargs["past_kv"] = past_kv[n]
+            if cache is not None:
+                layer_kwargs["cache"] = LayerCache(cache, step, n)
             h, layer_extras = layer(
                 h, None if mems is None else mems[n], mask, pos, u, v, **layer_kwargs
             )
             if extras is not None:
                 extras.append(layer_extras)
         h = self.drop(h)
+        if cache is not None:
+            if mems is None:  # the cache is the memory; no hidden states to carry
+                return h, [], None
+            next_valid = cache.memory_valid() if cache.per_row else None
         new_mems = update_memory(mems, hiddens, c.mem_len)
         return h, new_mems, next_valid
+
+    def _shaw_clamp(self) -> int:
+        """Largest distance with its own learned row ("shaw"): farther ones share the last."""
+        c = self.config
+        return min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
+
+    @torch.no_grad()
+    def position_table(self, span: int) -> list[Tensor]:
+        """Per layer the position keys [H, span, Dh] of distances 0 .. span-1, clamped as the
+        forward clamps them: what a cache of ``span`` slots indexes (txlm.model.cache)."""
+        c = self.config
+        device = next(self.parameters()).device
+        dist = torch.arange(span, device=device, dtype=torch.float32)
+        if c.attn_type == "xl":
+            if c.clamp_len > 0:
+                dist = dist.clamp(max=c.clamp_len)
+            pos = sinusoid(dist, c.d_model).to(next(self.parameters()).dtype)
+        else:
+            pos = dist.clamp(max=self._shaw_clamp())
+        return [layer.attn.position_keys(pos).contiguous() for layer in self.layers]
+
+    def new_cache(
+        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
+    ) -> KVCache:
+        """An empty cache for ``batch`` rows and segments of up to ``max_len`` (tgt_len),
+        holding keys and values in ``dtype`` (the weights' by default)."""
+        c = self.config
+        p = next(self.parameters())
+        return KVCache(
+            c.n_layer, batch, c.n_head, c.d_head, mem_len=c.mem_len,
+            max_len=c.tgt_len if max_len is None else max_len, device=p.device,
+            dtype=p.dtype if dtype is None else dtype,
+        )  # fmt: skip

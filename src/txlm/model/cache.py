@@ -1,0 +1,186 @@
+"""A static-shape key/value cache: what inference keeps instead of re-projecting the memory.
+
+Dimension legend
+    N  layers     B  rows     H  heads     Dh head dim     L  segment (query) length
+    M  mem_len    S  slots = M + max_len (the longest segment the cache takes)
+
+Transformer-XL's memory holds each layer's *input* hidden states and a forward projects all
+of them to keys and values again. With fixed weights and no dropout (inference) those
+projections never change, so the cache keeps them: per layer the keys and values of the newest
+positions of every row, in a ring of S slots. Position p lives in slot p mod S; a segment of L
+tokens writes its L slots first and then attends over all S, the slots it may not see masked.
+Every shape is fixed once the cache exists, and the write position is a device tensor, so a
+decoding step (L = 1) has the same shapes and the same operations every time: it can be
+compiled once and captured in a CUDA graph.
+
+What a query may see is the model's rule (txlm.model.mask), written on slot positions:
+query at position t + i (t: the segment's first) sees key position p when
+    t - M <= p <= t + i        the memory (the M newest before the segment) and the causal past
+    t + i - p < M              with same_length only
+    doc(p) == doc(t + i)       document ids, per row: a reset starts a new document
+The position term needs the distance t + i - p per (query, slot): ``index`` [L, S], which picks
+each pair's score from the per-distance scores (q + v) . W_kR R_d, d = 0 .. S-1 (``table``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from txlm.model.mask import document_starts
+
+_EMPTY = -(2**40)  # position of a slot never written: outside every memory window
+
+
+@dataclass
+class CacheStep:
+    """What every layer of one segment shares (made once per segment by ``KVCache.advance``)."""
+
+    slots: Tensor  # [L] the slots this segment writes
+    visible: Tensor  # bool [L, S] or [B, 1, L, S]: True where the query may attend
+    index: Tensor  # [L, S] distance of each (query, slot) pair, clamped into the table
+
+
+@dataclass
+class LayerCache:
+    """One layer's view of the cache for one segment: what ``RelativeAttention`` is given."""
+
+    cache: KVCache
+    step: CacheStep
+    layer: int
+
+    @property
+    def table(self) -> Tensor | None:
+        """[H, S, Dh] position keys of distances 0 .. S-1 (None for absolute encodings)."""
+        tables = self.cache.tables
+        return None if tables is None else tables[self.layer]
+
+    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.write(self.layer, self.step, k, v)
+
+
+class KVCache:
+    """Per-layer keys and values [N, B, H, S, Dh] of the newest positions, plus their
+    positions and document ids; ``tables`` holds each layer's position keys [H, S, Dh] for
+    the distances 0 .. S-1, built once (``ensure_tables``)."""
+
+    def __init__(
+        self,
+        n_layer: int,
+        batch: int,
+        n_head: int,
+        d_head: int,
+        *,
+        mem_len: int,
+        max_len: int,
+        device: torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.mem_len, self.max_len = mem_len, max_len
+        self.slots = mem_len + max_len
+        shape = (n_layer, batch, n_head, self.slots, d_head)
+        # zeros, not empty: a masked slot still enters the products (0 weight x finite value)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = torch.full((self.slots,), _EMPTY, dtype=torch.long, device=device)
+        self.doc = torch.zeros(batch, self.slots, dtype=torch.long, device=device)
+        self.open_doc = torch.zeros(batch, dtype=torch.long, device=device)
+        self.next_pos = torch.zeros((), dtype=torch.long, device=device)  # position t
+        self.per_row = False  # True once a reset was given: the mask is per row from then on
+        self.tables: list[Tensor] | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.k.size(1)
+
+    def ensure_tables(self, build: Callable[[int], list[Tensor]]) -> list[Tensor]:
+        """Per layer [H, S, Dh] position keys of distances 0 .. S-1 (``build(S)``), made once."""
+        if self.tables is None:
+            self.tables = [t.to(self.k.dtype) for t in build(self.slots)]
+        return self.tables
+
+    def advance(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> CacheStep:
+        """Take the next ``qlen`` positions: their slots, document ids, and the mask and
+        distance index every layer of this segment uses. Device work only (no host sync)."""
+        if qlen > self.max_len:
+            raise ValueError(
+                f"a segment of {qlen} tokens does not fit a cache made for {self.max_len}"
+            )
+        device = self.pos.device
+        qpos = self.next_pos + torch.arange(qlen, device=device)  # [L]
+        slots = qpos % self.slots
+        first = self.next_pos - self.mem_len  # oldest memory position
+        self.pos.index_copy_(0, slots, qpos)
+        dist = qpos[:, None] - self.pos[None, :]  # [L, S]
+        visible = (dist >= 0) & (self.pos >= first)[None, :]
+        if same_length:
+            visible = visible & (dist < self.mem_len)
+        if reset is not None or self.per_row:
+            self.per_row = True
+            doc = self.open_doc[:, None].expand(-1, qlen)
+            if reset is not None:  # a start makes its token and every later one a new document
+                doc = doc + document_starts(reset, qlen).to(device).long().cumsum(1)
+            self.doc.index_copy_(1, slots, doc)
+            self.open_doc.copy_(doc[:, -1])
+            same_doc = self.doc[:, None, :] == doc[:, :, None]  # [B, L, S]
+            visible = (visible & same_doc)[:, None]
+        self.next_pos.add_(qlen)
+        return CacheStep(slots, visible, dist.clamp(0, self.slots - 1))
+
+    def write(self, layer: int, step: CacheStep, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this segment's keys and values [B, H, L, Dh]; all S slots [B, H, S, Dh]."""
+        keys, values = self.k[layer], self.v[layer]
+        keys.index_copy_(2, step.slots, k.to(keys.dtype))
+        values.index_copy_(2, step.slots, v.to(values.dtype))
+        return keys, values
+
+    @property
+    def length(self) -> int:
+        """Positions in the memory now, M' = min(written, mem_len). Reads the device: not for
+        use inside a step."""
+        return min(int(self.next_pos), self.mem_len)
+
+    def _memory_slots(self) -> Tensor:
+        """[M'] the memory's slots, oldest first."""
+        end = int(self.next_pos)
+        return torch.arange(end - self.length, end, device=self.pos.device) % self.slots
+
+    def window(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The memory's keys and values [B, H, M', Dh], oldest first: for inspection and
+        tests (the forward reads the slots where they are)."""
+        order = self._memory_slots()
+        return self.k[layer].index_select(2, order), self.v[layer].index_select(2, order)
+
+    def memory_valid(self) -> Tensor:
+        """bool [B, M']: which memory positions the next token may attend to (its document's)."""
+        return self.doc[:, self._memory_slots()] == self.open_doc[:, None]
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold keys, values and position keys in ``dtype`` from now on."""
+        if self.k.dtype != dtype:
+            self.k, self.v = self.k.to(dtype), self.v.to(dtype)
+            self.tables = None if self.tables is None else [t.to(dtype) for t in self.tables]
+
+    def resized(self, max_len: int) -> KVCache:
+        """The same memory in a cache for segments of at most ``max_len`` (e.g. 1 to decode
+        after reading a prompt in longer segments): copies the M' newest positions once."""
+        n_layer, batch, n_head, _, d_head = self.k.shape
+        new = KVCache(
+            n_layer, batch, n_head, d_head, mem_len=self.mem_len, max_len=max_len,
+            device=self.k.device, dtype=self.k.dtype,
+        )  # fmt: skip
+        end = int(self.next_pos)
+        src = torch.arange(end - self.length, end, device=self.pos.device)
+        dst = src % new.slots
+        src = src % self.slots
+        new.k[:, :, :, dst] = self.k[:, :, :, src]
+        new.v[:, :, :, dst] = self.v[:, :, :, src]
+        new.pos[dst] = self.pos[src]
+        new.doc[:, dst] = self.doc[:, src]
+        new.open_doc.copy_(self.open_doc)
+        new.next_pos.copy_(self.next_pos)
+        new.per_row = self.per_row
+        return new
