@@ -59,7 +59,9 @@ class CachedEvaluator:
             self.cache = model.new_cache(
                 input_ids.size(0), max(input_ids.size(1), model.config.tgt_len)
             )
-            self.mems = model.init_mems(input_ids.size(0))
+            # empty hidden-state memory (not None): transform then carries it along
+            h = torch.empty(input_ids.size(0), 0, model.config.d_model, device=input_ids.device)
+            self.mems = [h] * model.config.n_layer
         hidden, self.mems, self.mem_mask = model.transform(
             input_ids, self.mems, reset, self.mem_mask, cache=self.cache
         )
