@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.model.cache import KVCache
@@ -339,8 +339,10 @@ class CachedDecoder(_Decoder):
         """Run on a copy of the model in ``dtype`` (weights cast once, tied ones stay tied)."""
         self.compute_dtype = dtype
         self.net: TransformerXL = self.model
-        if dtype != self.dtype:
+        if dtype != self.dtype or self.device.type == "cpu":
             self.net = copy.deepcopy(self.model).to(dtype).eval()
+        if self.device.type == "cpu":
+            _matvec_layout(self.net)
         self._step: Callable[[Tensor], Tensor] | None = None
 
     def _cache_dtype(self) -> torch.dtype:
@@ -412,6 +414,27 @@ class CachedDecoder(_Decoder):
                 fn = _GraphedStep(fn)
             self._step = fn
         return self._step
+
+
+@torch.no_grad()
+def _matvec_layout(model: nn.Module) -> None:
+    """Re-stride (not re-shape) the weights of a decoding copy for one-row products on a CPU.
+
+    A step multiplies one row per sequence by each weight [out, in]. MKL streams such a
+    product 2-3x faster from a contiguous [in, out] buffer when out > in (the 10k x 256
+    output layer: ~0.2-0.35 ms instead of ~0.3-1.1 ms); for in >= out the weight as it is
+    runs as fast. So those weights become the transposed view of a contiguous [in, out]
+    copy: the same values and shapes, and the model's code is unchanged. Tied weights stay
+    tied (each is re-strided once).
+    """
+    done: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if p.dim() != 2 or p.size(0) <= p.size(1) or name != "weight":
+                continue
+            if id(p) not in done:
+                done[id(p)] = nn.Parameter(p.t().contiguous().t(), requires_grad=False)
+            setattr(module, name, done[id(p)])
 
 
 class _GraphedStep:

@@ -255,16 +255,20 @@ class RelativeAttention(nn.Module):
         return q, k, val
 
     def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:
-        """Whether the fused kernel runs. On the CPU, torch's fused SDPA kernel has no
-        backward for an attention bias: when the position bias needs a gradient (training)
-        SDPA falls back to its unfused reference math, which makes more passes over the
-        scores than ``_scores`` (measured: benchmarks/compare.py), so we use ours there."""
+        """Whether the fused kernel runs; on the CPU the choice is measured
+        (benchmarks/compare.py). There torch's fused SDPA kernel has no backward for an
+        attention bias: when the position bias needs a gradient (training) SDPA falls back
+        to its unfused reference math, which makes more passes over the scores than
+        ``_scores``; and for a single query (decoding) its blocked kernel costs more than
+        two matrix-vector products."""
         if self.attn_impl != "sdpa" or return_probs:
             return False
+        if q.device.type != "cpu":
+            return True
         bias_needs_grad = (
             rk is not None and torch.is_grad_enabled() and (q.requires_grad or rk.requires_grad)
         )
-        return not (bias_needs_grad and q.device.type == "cpu")
+        return not bias_needs_grad and q.size(2) > 1
 
 
 class PositionwiseFF(nn.Module):
