@@ -308,7 +308,8 @@ class CachedDecoder(_Decoder):
     slots; then the cache is narrowed to mem_len + 1 slots and every new token is a one-token
     segment over it (``step_fn``): static shapes and no host synchronisation, so on CUDA the
     step is captured once in a CUDA graph and replayed per token (``cuda_graph``), and it
-    can be compiled (``compile``: ``torch.compile(fullgraph=True, dynamic=False)``).
+    can be compiled (``compile``: ``torch.compile(fullgraph=True, dynamic=False)``; a string
+    names the backend, e.g. "aot_eager").
 
     Under autocast with float32 weights the decoder runs a copy of the model held in the
     autocast dtype (made once, not a cast of every weight every token); on a CPU the cache
@@ -316,7 +317,11 @@ class CachedDecoder(_Decoder):
     """
 
     def __init__(
-        self, model: TransformerXL, *, compile: bool = False, cuda_graph: bool | None = None
+        self,
+        model: TransformerXL,
+        *,
+        compile: bool | str = False,
+        cuda_graph: bool | None = None,
     ) -> None:
         super().__init__(model)
         self.compile = compile
@@ -407,9 +412,12 @@ class CachedDecoder(_Decoder):
             self.cache.cast(self._cache_dtype())
         if self._step is None:
             fn: Callable[[Tensor], Tensor] = self.step_fn
-            if self.compile:
+            if self.compile:  # True: inductor; a string names another backend
+                backend = self.compile if isinstance(self.compile, str) else "inductor"
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
-                fn = torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+                if backend != "inductor":
+                    mode = None
+                fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, mode=mode)
             if self.cuda_graph:
                 fn = _GraphedStep(fn)
             self._step = fn
@@ -484,7 +492,7 @@ def stream(
     use_cache: bool = True,
     generator: torch.Generator | None = None,
     stop_id: int | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> Iterator[Tensor]:
     """Yield the new tokens one step at a time: [B] ids per step, B = prompts x num_samples
     (prompt-major: the samples of prompt 0 first).
@@ -549,7 +557,7 @@ def generate(
     start_id: int | None = None,
     use_cache: bool = True,
     stop_id: int | None = None,
-    compile: bool = False,
+    compile: bool | str = False,
 ) -> list[list[int]]:
     """Sample continuations; returns the new ids only, one list per row: prompts x samples,
     prompt-major (the samples of prompt 0 first). One prompt (a list of ids or a 1-D tensor)

@@ -183,4 +183,6 @@ class KVCache:
         new.open_doc.copy_(self.open_doc)
         new.next_pos.copy_(self.next_pos)
         new.per_row = self.per_row
+        if self.tables is not None and new.slots <= self.slots:  # distances 0 .. S'-1: a prefix
+            new.tables = [t[:, : new.slots].contiguous() for t in self.tables]
         return new

@@ -1,0 +1,93 @@
+"""The decoding step is static: one compiled graph for hundreds of tokens, no host sync.
+
+What a CUDA graph (or torch.compile's "reduce-overhead") needs, checked on the CPU: the step
+(``CachedDecoder.step_fn``) traces into a single graph (fullgraph=True: a graph break is an
+error), is never recompiled while the cache's ring wraps around many times (a recompile
+would mean some shape or Python value changed from token to token), gives the eager step's
+log-probabilities, and reads nothing back to the host: no ``aten::_local_scalar_dense`` (what
+``.item()`` and ``bool(tensor)`` dispatch to) and no ``nonzero``. (``.tolist()`` reads the
+data without dispatching; the step's code has none, and the compiled graph could not hold one.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from txlm.config import ModelConfig
+from txlm.generate import CachedDecoder, SamplingConfig, sample
+from txlm.model import TransformerXL
+
+STEPS = 600
+
+
+def tiny_model(**overrides) -> TransformerXL:
+    config = ModelConfig.from_preset(
+        "debug", **{"n_layer": 2, "d_model": 16, "n_head": 2, "d_head": 8, "d_inner": 32,
+                    "tgt_len": 8, "mem_len": 12, **overrides}
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerXL(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operations that copy a device value to the host (or wait for one)."""
+
+    SYNCS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.SYNCS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(same_length=True, clamp_len=5)])
+def test_compiled_step_runs_600_tokens_with_one_graph(overrides) -> None:
+    torch._dynamo.reset()
+    model = tiny_model(**overrides)
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8]]  # padded rows: per-row masks
+    eager, compiled = CachedDecoder(model), CachedDecoder(model, compile="aot_eager")
+    want, got = eager.prefill(prompt), compiled.prefill(prompt)
+    torch.testing.assert_close(got, want)
+    ids = torch.randint(0, 64, (STEPS, 2), generator=torch.Generator().manual_seed(1))
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in range(STEPS):  # mem_len 12: the ring wraps ~50 times
+            want, got = eager.step(ids[t]), compiled.step(ids[t])
+            if t % 50 == 0 or t == STEPS - 1:
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_no_host_sync_inside_a_step_or_a_draw() -> None:
+    model = tiny_model()
+    dec = CachedDecoder(model)
+    scores = dec.prefill([[3, 1, 4], [1, 5, 9, 2, 6]])
+    g = torch.Generator().manual_seed(0)
+    configs = [
+        SamplingConfig(top_k=5, temperature=0.8),
+        SamplingConfig(top_k=None, top_p=0.9),
+        SamplingConfig(greedy=True),
+    ]
+    tokens = sample(scores, configs[0], g)
+    for t in range(30):  # past the point where the memory trims
+        with HostSyncs() as syncs:
+            scores = dec.step_scores(tokens)
+            tokens = sample(scores, configs[t % len(configs)], g)
+        assert syncs.count == 0, t
+    # the mode does see a sync when there is one
+    with HostSyncs() as syncs:
+        tokens.sum().item()
+        bool(tokens.any())
+    assert syncs.count == 2
