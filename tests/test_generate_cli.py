@@ -305,3 +305,25 @@ def test_end_of_training_sample_reads_prompts_as_the_cli(word_ckpt, capsys, prom
     assert main([*argv, "--seed", "4", "--json"]) == 0
     new = json.loads(capsys.readouterr().out)["sample_ids"][0]
     assert text == vocab.decode(encode_prompt(vocab, prompt)[0] + new)
+
+
+def test_compile_flag_compiles_the_step_and_keeps_the_text(char_ckpt, capsys, monkeypatch):
+    """``--compile`` runs the decoding step through torch.compile (fullgraph, static shapes)
+    and samples the same ids. The backend is swapped for "aot_eager" here: the same tracing
+    (a graph break would fail), without inductor's minute of code generation on a CPU."""
+    real_compile = torch.compile
+    calls: list[dict] = []
+
+    def fast_compile(fn, **kwargs):
+        calls.append(kwargs)
+        return real_compile(fn, **{**kwargs, "backend": "aot_eager", "mode": None})
+
+    monkeypatch.setattr(torch, "compile", fast_compile)
+    argv = ["generate", str(char_ckpt), "--prompt", "abc", "--seed", "3", "--json"]
+    argv += ["--max-new-tokens", "40"]
+    ids = {}
+    for extra in ([], ["--compile"]):
+        assert main([*argv, *extra]) == 0
+        ids[bool(extra)] = json.loads(capsys.readouterr().out)["sample_ids"]
+    assert ids[True] == ids[False]
+    assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor", mode=None)]

@@ -91,3 +91,46 @@ def test_no_host_sync_inside_a_step_or_a_draw() -> None:
         tokens.sum().item()
         bool(tokens.any())
     assert syncs.count == 2
+
+
+def test_compiled_cached_evaluation_equals_the_forward() -> None:
+    """``txlm eval --kv-cache --compile``'s runner: the compiled transform with the cache
+    gives the model's losses segment after segment (same shapes: one graph after the first)."""
+    from txlm.model.kv_eval import CachedEvaluator
+
+    torch._dynamo.reset()
+    model = tiny_model()
+    ids = torch.randint(0, 64, (2, 8 * 5), generator=torch.Generator().manual_seed(2))
+    runner = CachedEvaluator(model, compile="aot_eager")
+    mems = None
+    with torch.no_grad():
+        for seg in ids.split(8, dim=1):
+            ref = model(seg, mems=mems, labels=seg)
+            mems = ref.mems
+            got = runner(seg, labels=seg)
+            torch.testing.assert_close(got.losses, ref.losses, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv_cache", [False, True])
+def test_evaluate_compile_option_gives_the_same_loss(kv_cache, monkeypatch) -> None:
+    """``evaluate_tokens(compile=True)`` (``txlm eval --compile``) compiles and agrees; the
+    backend is swapped for "aot_eager" (the same tracing, no code generation)."""
+    from txlm.evaluate import evaluate_tokens
+
+    real_compile = torch.compile
+    calls = []
+
+    def fast_compile(fn, **kwargs):
+        calls.append(fn)
+        return real_compile(fn, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(torch, "compile", fast_compile)
+    torch._dynamo.reset()
+    model = tiny_model()
+    tokens = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(4))
+    args = dict(batch_size=2, tgt_len=8, mem_len=12, kv_cache=kv_cache)
+    plain = evaluate_tokens(model, tokens, **args)
+    compiled = evaluate_tokens(model, tokens, compile=True, **args)
+    assert len(calls) == 1
+    assert compiled["tokens"] == plain["tokens"]
+    assert abs(compiled["loss"] - plain["loss"]) < 1e-5

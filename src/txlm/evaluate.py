@@ -89,6 +89,7 @@ def evaluate_tokens(
     progress: bool = False,
     desc: str = "eval",
     kv_cache: bool = False,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Mean next-token loss over a stream, memory carried across segments.
 
@@ -98,7 +99,8 @@ def evaluate_tokens(
     ``max_steps`` caps the number of segments (a quick validation); memory still starts
     empty only once per row. ``kv_cache`` keeps the memory's projected keys and values between
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
-    rounding, faster with long memory).
+    rounding, faster with long memory). ``compile``: run the segments under ``torch.compile``
+    (static shapes: the first segment, without memory, and a shorter last one add a graph).
     """
     device = next(model.parameters()).device
     stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
@@ -125,7 +127,8 @@ def evaluate_tokens(
     try:
         mems: list[Tensor] | None = None
         mem_mask: Tensor | None = None
-        runner = CachedEvaluator(model) if kv_cache else None
+        runner = CachedEvaluator(model, compile=compile) if kv_cache else None
+        forward = torch.compile(model, dynamic=False) if compile and not kv_cache else model
         for seg in range(n_segments):
             lo = seg * c.tgt_len
             ids = inputs[:, lo : lo + c.tgt_len].to(device, non_blocking=True)
@@ -134,7 +137,7 @@ def evaluate_tokens(
                 if runner is not None:
                     out = runner(ids, labels=lab)
                 else:
-                    out = model(ids, mems=mems, labels=lab, mem_mask=mem_mask)
+                    out = forward(ids, mems=mems, labels=lab, mem_mask=mem_mask)
             mems, mem_mask = out.mems, out.mem_mask
             assert out.losses is not None
             total += out.losses.double().sum().cpu()

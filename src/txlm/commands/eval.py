@@ -60,6 +60,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--kv-cache", action="store_true",
         help="keep the memory's projected keys/values between segments (faster, same numbers)",
     )  # fmt: skip
+    p.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the forward (a one-off compile time; pays on long runs and GPUs)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object")
     eval_file.add_arguments(p)
     p.set_defaults(func=run)
@@ -135,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         progress=show,
         desc=args.split,
         kv_cache=args.kv_cache,
+        compile=args.compile,
     )
     result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
     if corpus.vocab.unk is not None:

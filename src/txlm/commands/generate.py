@@ -76,6 +76,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="end each sample at <eos> (character/byte vocabularies: at a newline)",
     )
+    p.add_argument(
+        "--compile", action="store_true",
+        help="torch.compile the decoding step (on CUDA: with CUDA graphs; one-off compile time)",
+    )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
 
@@ -183,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
-        stop_id=stop,
+        stop_id=stop, compile=args.compile,
     )  # fmt: skip
     with autocast(device, args.precision):  # the generator runs inside: each step too
         for t, tokens in enumerate(steps):

@@ -37,8 +37,14 @@ class CachedEvaluator:
     """Runs consecutive segments of the same rows through ``model``, carrying the memory
     (hidden states, their validity mask, and the cache of projected keys/values)."""
 
-    def __init__(self, model: TransformerXL) -> None:
+    def __init__(self, model: TransformerXL, *, compile: bool | str = False) -> None:
+        """``compile``: run ``transform`` under torch.compile (a string names the backend);
+        shapes are static, so every full segment after the first reuses one graph."""
         self.model = model
+        self._transform = model.transform
+        if compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._transform = torch.compile(model.transform, dynamic=False, backend=backend)
         self.reset_state()
 
     def reset_state(self) -> None:
@@ -62,7 +68,7 @@ class CachedEvaluator:
             # empty hidden-state memory (not None): transform then carries it along
             h = torch.empty(input_ids.size(0), 0, model.config.d_model, device=input_ids.device)
             self.mems = [h] * model.config.n_layer
-        hidden, self.mems, self.mem_mask = model.transform(
+        hidden, self.mems, self.mem_mask = self._transform(
             input_ids, self.mems, reset, self.mem_mask, cache=self.cache
         )
         return model.output(hidden, self.mems, self.mem_mask, labels)
