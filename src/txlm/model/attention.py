@@ -59,6 +59,7 @@ class RelativeAttention(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        # d_head: the head dim as stored (txlm.model.align may pad it); the scale is the real one
         self.n_head, self.d_head = config.n_head, config.d_head
         self.attn_type = config.attn_type
         self.pre_lnorm = config.pre_lnorm

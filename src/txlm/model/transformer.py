@@ -332,7 +332,7 @@ class TransformerXL(nn.Module):
         c = self.config
         p = next(self.parameters())
         return KVCache(
-            c.n_layer, batch, c.n_head, c.d_head, mem_len=c.mem_len,
+            c.n_layer, batch, c.n_head, self.layers[0].attn.d_head, mem_len=c.mem_len,
             max_len=c.tgt_len if max_len is None else max_len, device=p.device,
             dtype=p.dtype if dtype is None else dtype,
         )  # fmt: skip

@@ -1,0 +1,104 @@
+"""Tensor-core-friendly head dims: pad each attention head with zero dimensions.
+
+Legend: H heads, Dh the real head dim, Dp the padded one (a multiple of ``multiple``), D
+model dim, P learned relative positions ("shaw").
+
+GPU matmul and fused-attention kernels want dims that are multiples of 8: wt103-base's
+d_head 41 makes cuBLAS take its slow "align2" kernels and SDPA its unfused math fallback.
+``pad_heads`` stores every head with Dp dims instead, the extra ones zero in every weight
+that makes or reads them. The arithmetic is the same: a zero query/key dim adds 0 to every
+score, a zero value dim gives a zero output dim, which meets a zero column of the output
+projection; the scale stays 1/sqrt(Dh). The gradients of the padded entries are exactly
+zero too (each is a product with a zero factor), so Adam (and weight decay) leaves them at
+zero: the model trains as the unpadded one would (tests/test_model_align.py).
+
+Checkpoints keep the real shapes: ``state_dict`` strips the padding and ``load_state_dict``
+accepts either form. Pad after building or loading the model and before making the
+optimizer (its state then has the padded shapes).
+
+    model = pad_heads(TransformerXL(config), multiple=8)   # in place; returns the model
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+# parameter name -> the axis that holds (heads x head dims)
+_ATTENTION_AXES = {"qkv.weight": 0, "out.weight": 1, "r_net.weight": 0, "u": 1, "v": 1, "r_emb": 2}
+_MODEL_AXES = {"u": 1, "v": 1}  # the shared biases (untie_r false)
+
+
+def _resize(t: Tensor, axis: int, d_from: int, d_to: int) -> Tensor:
+    """View ``axis`` as (groups, d_from) and pad with zeros (or cut) to (groups, d_to)."""
+    t = t.unflatten(axis, (t.size(axis) // d_from, d_from))
+    if d_to > d_from:
+        pad = [0, 0] * (t.dim() - axis - 2) + [0, d_to - d_from]
+        t = F.pad(t, pad)
+    else:
+        t = t.narrow(axis + 1, 0, d_to)
+    return t.flatten(axis, axis + 1)
+
+
+def _hooks(module: nn.Module, axes: dict[str, int], d_head: int, d_pad: int) -> None:
+    """state_dict without the padding; load_state_dict of either shape."""
+
+    def strip(mod, state_dict, prefix, local_metadata):
+        for name, axis in axes.items():
+            key = prefix + name
+            if key in state_dict:
+                state_dict[key] = _resize(state_dict[key], axis, d_pad, d_head).contiguous()
+        return state_dict
+
+    def pad(state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        for name, axis in axes.items():
+            key = prefix + name
+            if key in state_dict and state_dict[key].shape != _param(module, name).shape:
+                state_dict[key] = _resize(state_dict[key], axis, d_head, d_pad)
+
+    module._register_state_dict_hook(strip)
+    module._register_load_state_dict_pre_hook(pad)
+
+
+def _param(module: nn.Module, name: str) -> Tensor:
+    for part in name.split("."):
+        module = getattr(module, part)
+    return module  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def pad_heads(model: nn.Module, multiple: int = 8) -> nn.Module:
+    """Store every attention head with its dim rounded up to ``multiple`` (zeros added)."""
+    d_head = model.config.d_head
+    d_pad = math.ceil(d_head / multiple) * multiple
+    attns = [layer.attn for layer in model.layers]
+    if d_pad == attns[0].d_head:
+        return model
+    if attns[0].d_head != d_head:
+        raise ValueError("the heads are padded already")
+    for owner, axes in [(a, _ATTENTION_AXES) for a in attns] + [(model, _MODEL_AXES)]:
+        present = {}
+        for name, axis in axes.items():
+            if "." not in name and name not in owner._parameters:
+                continue
+            if "." in name and not hasattr(owner, name.split(".")[0]):
+                continue
+            parent_name, _, leaf = name.rpartition(".")
+            parent = _param(owner, parent_name) if parent_name else owner
+            old = getattr(parent, leaf)
+            setattr(parent, leaf, nn.Parameter(_resize(old, axis, d_head, d_pad)))
+            present[name] = axis
+        if present:
+            _hooks(owner, present, d_head, d_pad)
+    for attn in attns:
+        attn.d_head = d_pad
+        for linear, axis in ((attn.qkv, 0), (attn.out, 1), (getattr(attn, "r_net", None), 0)):
+            if linear is not None:  # keep the modules' own bookkeeping right
+                if axis == 0:
+                    linear.out_features = linear.weight.size(0)
+                else:
+                    linear.in_features = linear.weight.size(1)
+    return model
