@@ -12,9 +12,16 @@ In order, into benchmarks/results/gpu_check.json (``--out``):
    must fall: a broken device path shows). Tokens/s over the steps after warm-up, FLOPs per
    step counted by torch's FLOP counter, MFU against the matmul peak measured here in the same
    precision, peak memory, first and last loss;
-3. evaluation: forward tokens/s with 4x the training memory, plain and with the K/V cache;
-4. generation: batch 1, ``--new`` tokens after a 512-token context, cached decoder, fp32 and
-   bf16: tokens/s, and how far bf16's first-step log-probs are from fp32's.
+3. attention candidates (the choice is made here, by measurement): bf16 training step and
+   evaluation forward with the fused kernel (SDPA, position term as an additive bias) and
+   with txlm's own math, each with the heads as they are and padded to a multiple of 8
+   (txlm.model.align); ms per step and the winner;
+4. evaluation: forward tokens/s with 4x the training memory, plain and with the K/V cache;
+5. generation: batch 1, ``--new`` tokens after a 512-token context, cached decoder, fp32 and
+   bf16, with and without the decoding step captured in a CUDA graph: tokens/s; how far
+   bf16's first-step log-probs are from fp32's, and the device's fp32 decoding from the CPU's;
+6. ``txlm generate`` end to end (a subprocess, as a user runs it) on the default
+   shakespeare-char model shape with random weights: tokens/s as the command reports it.
 Every figure is the device's own; nothing here compares against another library.
 """
 
@@ -40,6 +47,7 @@ import txlm
 from txlm.config import ModelConfig
 from txlm.data.vocab import write_text_atomic
 from txlm.generate import CachedDecoder
+from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
 
 RESULTS = Path(__file__).parent / "results" / "gpu_check.json"
@@ -97,9 +105,14 @@ def synthetic_stream(vocab: int, batch: int, length: int, seed: int) -> torch.Te
     return ids
 
 
-def build(config: ModelConfig, device: torch.device, seed: int = 0) -> txlm.TransformerXL:
+def build(
+    config: ModelConfig, device: torch.device, seed: int = 0, *, padded: bool = False
+) -> txlm.TransformerXL:
     torch.manual_seed(seed)
-    return txlm.TransformerXL(config).to(device)
+    model = txlm.TransformerXL(config)
+    if padded:
+        pad_heads(model, multiple=8)
+    return model.to(device)
 
 
 def parity(config: ModelConfig, device: torch.device) -> float:
@@ -127,9 +140,16 @@ def count_flops(fn: Callable[[], object]) -> int:
 
 
 def train(
-    config: ModelConfig, device: torch.device, name: str, batch: int, steps: int, peak: float
+    config: ModelConfig,
+    device: torch.device,
+    name: str,
+    batch: int,
+    steps: int,
+    peak: float,
+    *,
+    padded: bool = False,
 ) -> dict:
-    model = build(config, device).train()
+    model = build(config, device, padded=padded).train()
     opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, fused=True)
     length = config.tgt_len * (steps + 1)
     stream = synthetic_stream(config.vocab_size, batch, length + 1, seed=1).to(device)
@@ -164,6 +184,7 @@ def train(
     sec = statistics.median(times[len(times) // 5 :])  # after warm-up
     row = {
         "precision": name,
+        "padded_heads": padded,
         "steps": steps + 2,
         "tokens_per_s": round(batch * config.tgt_len / sec, 1),
         "ms_per_step": round(sec * 1e3, 2),
@@ -187,8 +208,10 @@ def evaluate(
     kv: bool,
     name: str,
     segments: int = 6,
+    *,
+    padded: bool = False,
 ) -> float:
-    model = build(config, device).eval()
+    model = build(config, device, padded=padded).eval()
     model.set_lengths(mem_len=mem)
     runner = CachedEvaluator(model) if kv else None
     ids = torch.randint(0, config.vocab_size, (batch, config.tgt_len * (segments + 4)))
@@ -209,18 +232,27 @@ def evaluate(
 
 
 def generate(
-    config: ModelConfig, device: torch.device, name: str, new: int, context: int = 512
+    config: ModelConfig,
+    device: torch.device,
+    name: str,
+    new: int,
+    context: int = 512,
+    *,
+    graph: bool = False,
+    padded: bool = False,
 ) -> tuple[float, Tensor]:
     """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps (to compare
-    precisions on the same prompt)."""
-    model = build(config, device).eval()
+    precisions and devices on the same prompt). ``graph``: the step replayed from a CUDA
+    graph (CachedDecoder's default on CUDA), else launched op by op."""
+    model = build(config, device, padded=padded).eval()
     model.set_lengths(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
     rows = []
     with torch.no_grad(), precision(device, name):
-        dec = CachedDecoder(model)
+        dec = CachedDecoder(model, cuda_graph=graph)
         logp = dec.prefill([prompt])
+        logp = dec.step(logp.argmax(-1))  # the first step (with a graph: warm-up, eager)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(new):
@@ -230,12 +262,75 @@ def generate(
     return round(new / (time.perf_counter() - t0), 1), torch.stack(rows).float().cpu()
 
 
+def attention_choice(
+    config: ModelConfig, device: torch.device, batch: int, steps: int, peak: float
+) -> dict:
+    """bf16 (fp32 on a CPU) training step and 4x-memory evaluation, per attention kernel
+    and head padding; the fastest of each wins."""
+    name = "bf16" if device.type == "cuda" else "fp32"
+    rows = []
+    for impl in ("sdpa", "math"):
+        cfg = config.replace(attn_impl=impl)
+        for padded in (False, True):
+            if padded and config.d_head % 8 == 0:
+                continue
+            t = train(cfg, device, name, batch, steps, peak, padded=padded)
+            e = evaluate(cfg, device, batch, 4 * config.mem_len, False, name, padded=padded)
+            rows.append(
+                {"attn_impl": impl, "padded_heads": padded, "train_ms_per_step": t["ms_per_step"],
+                 "train_mfu": t["mfu"], "eval_tokens_per_s": e}
+            )  # fmt: skip
+    best_train = min(rows, key=lambda r: r["train_ms_per_step"])
+    best_eval = max(rows, key=lambda r: r["eval_tokens_per_s"])
+    return {
+        "precision": name,
+        "candidates": rows,
+        "train_winner": {k: best_train[k] for k in ("attn_impl", "padded_heads")},
+        "eval_winner": {k: best_eval[k] for k in ("attn_impl", "padded_heads")},
+    }
+
+
+def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
+    """``txlm generate`` as a user runs it (a new process: imports, checkpoint load, prompt,
+    decoding, text out), on the default model's shape; tokens/s as the command reports it."""
+    import os
+    import subprocess
+    import tempfile
+    from collections import Counter
+
+    from txlm.data.vocab import Vocab
+
+    vocab = Vocab.build_char(
+        Counter("abcdefghijklmnopqrstuvwxyz ,.;:!?'\nABCDEFGHIJKLMNOPQRSTUVWXYZ")
+    )
+    preset = "debug" if quick else "shakespeare-char"
+    config = ModelConfig.from_preset(preset, vocab_size=len(vocab))
+    out: dict = {"preset": preset}
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = txlm.save(build(config, torch.device("cpu")), Path(tmp) / "ckpt",
+                         vocab_json=vocab.to_json())  # fmt: skip
+        for compiled in (False, True) if device.type == "cuda" else (False,):
+            cmd = [sys.executable, "-m", "txlm", "generate", str(ckpt), "--prompt", "ROMEO:",
+                   "--max-new-tokens", str(new), "--device", str(device), "--seed", "0",
+                   "--json"] + (["--compile"] if compiled else [])  # fmt: skip
+            t0 = time.perf_counter()
+            run = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+            wall = time.perf_counter() - t0
+            key = "compiled" if compiled else "eager"
+            if run.returncode != 0:
+                out[key] = {"error": run.stderr.strip().splitlines()[-1:]}
+                continue
+            report = json.loads(run.stdout)
+            out[key] = {"tokens_per_s": report["tokens_per_s"], "process_wall_s": round(wall, 2)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--preset", default="wt103-base")
     ap.add_argument("--batch", type=int, default=60, help="rows per step (the paper's wt103: 60)")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--new", type=int, default=128, help="generated tokens per measurement")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few steps (a smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -246,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     start = time.perf_counter()
     if args.quick:
-        config = ModelConfig.from_preset("debug")
+        config = ModelConfig.from_preset("debug", d_head=6)  # 6: the padded heads run too
         batch, steps, new, peak_n = 2, 3, 4, 256
         precisions = ("fp32", "bf16")
     else:
@@ -274,13 +369,25 @@ def main(argv: list[str] | None = None) -> int:
         }
         for p in precisions
     }
-    decoded = {p: generate(config, device, p, new) for p in ("fp32", "bf16")}
-    result["generate_tokens_per_s"] = {p: rate for p, (rate, _) in decoded.items()}
+    result["attention"] = attention_choice(config, device, batch, max(steps // 4, 2), peaks[
+        "bf16" if device.type == "cuda" else "fp32"])  # fmt: skip
+    graphs = (False, True) if device.type == "cuda" else (False,)
+    decoded = {
+        (p, g): generate(config, device, p, new, graph=g) for p in ("fp32", "bf16") for g in graphs
+    }
+    result["generate_tokens_per_s"] = {
+        p + ("_cuda_graph" if g else ""): rate for (p, g), (rate, _) in decoded.items()
+    }
     # bf16 against fp32 on the same prompt, first step (later ones may follow other tokens)
-    first = [logp[0] for _, logp in decoded.values()]
+    first = [decoded[p, False][1][0] for p in ("fp32", "bf16")]
     result["generate_bf16_first_step_max_abs_logprob_diff"] = (
         (first[0] - first[1]).abs().max().item()
     )
+    # the device's fp32 decoding (graph-replayed on CUDA) against the CPU's, every step
+    _, cpu_logp = generate(config, torch.device("cpu"), "fp32", min(new, 16))
+    dev_logp = decoded["fp32", graphs[-1]][1][: cpu_logp.size(0)]
+    result["generate_parity_max_abs_logprob_diff_vs_cpu"] = (dev_logp - cpu_logp).abs().max().item()
+    result["txlm_generate_cli"] = generate_cli(device, 64 if args.quick else 1000, args.quick)
     result["wall_s"] = round(time.perf_counter() - start, 1)
     text = json.dumps(result, indent=2)
     print(text)

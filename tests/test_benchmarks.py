@@ -85,7 +85,20 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         assert row["tokens_per_s"] > 0 and row["flops_per_step"] > 1e6
         assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
     assert all(v["kv_cache_tokens_per_s"] > 0 for v in result["eval"].values())
-    assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}
+    assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}  # no CUDA graph on a CPU
+    assert result["generate_parity_max_abs_logprob_diff_vs_cpu"] == 0.0
+    attention = result["attention"]
+    assert {(r["attn_impl"], r["padded_heads"]) for r in attention["candidates"]} == {
+        ("sdpa", False),
+        ("sdpa", True),
+        ("math", False),
+        ("math", True),
+    }
+    assert attention["train_winner"] in [
+        {"attn_impl": r["attn_impl"], "padded_heads": r["padded_heads"]}
+        for r in attention["candidates"]
+    ]
+    assert result["txlm_generate_cli"]["eager"]["tokens_per_s"] > 0
 
 
 def test_gpu_check_synthetic_stream_is_a_fixed_function():
