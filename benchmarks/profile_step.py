@@ -1,7 +1,17 @@
-"""Where a txlm training step / evaluation forward spends its time (torch.profiler, CPU).
+"""Where a txlm training step / evaluation forward spends its time (torch.profiler, CPU), and
+how many operations a training step and a decoded token launch.
 
     python benchmarks/profile_step.py                    # cpu config, fp32, train + eval
     python benchmarks/profile_step.py --config d512 --threads 1
+    python benchmarks/profile_step.py --ops              # operation counts, wt103-base shape
+
+``--ops``: every aten operation that does work (views and other metadata-only operations
+left out), counted with a dispatch mode in one training step (batch 2 x 150, mem 150: the
+count does not depend on the batch) and per decoded token (batch 1, mem 512, greedy) of the
+wt103-base shape, vocabulary cut to 32k (cutoffs 8k/16k) to fit a CPU. On a GPU each is
+roughly one kernel launch: fewer is the CPU-visible proxy for launch overhead. Writes
+benchmarks/results/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
+that code instead (the before/after figures of a change).
 
 Self CPU time of every aten op, summed into groups (matmul, dropout RNG, softmax, ...), as
 shares of the profiled total, plus the ten most expensive ops. Writes
@@ -18,6 +28,8 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch._C import DispatchKey
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare import SHAPES, build_pair, make_eval, make_train
@@ -67,14 +79,104 @@ def summarise(fn, steps: int) -> dict:
     }
 
 
+# operations that only make a new view or read metadata: no kernel on a GPU
+_METADATA_OPS = {
+    "view", "_unsafe_view", "as_strided", "transpose", "t", "unsqueeze", "squeeze", "expand",
+    "slice", "select", "permute", "reshape", "split", "split_with_sizes", "chunk", "unflatten",
+    "flatten", "detach", "alias", "unbind", "narrow", "empty", "empty_strided", "lift_fresh",
+    "_reshape_alias", "view_as", "expand_as", "numpy_T", "sym_size", "sym_stride", "is_same_size",
+}  # fmt: skip
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten operations that do work, by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        # composite operations (linear, matmul, to, ...) reach a dispatch mode under
+        # inference_mode and then run the operations they are made of: count those only
+        composite = func.has_kernel_for_dispatch_key(DispatchKey.CompositeImplicitAutograd)
+        if name not in _METADATA_OPS and not composite:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops() -> dict:
+    """Operations per training step and per decoded token at the wt103-base shape."""
+    import txlm
+    from txlm.config import ModelConfig
+    from txlm.generate import CachedDecoder
+
+    config = ModelConfig.from_preset(
+        "wt103-base", vocab_size=32000, cutoffs=[8000, 16000], dropout=0.1, dropatt=0.0
+    )
+    torch.manual_seed(0)
+    model = txlm.TransformerXL(config)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)  # as txlm train
+    ids = torch.randint(0, config.vocab_size, (2, config.tgt_len + 1))
+    state: dict = {"mems": None}
+
+    def train_step() -> None:
+        out = model(ids[:, :-1], mems=state["mems"], labels=ids[:, 1:])
+        loss = out.loss if out.loss.dim() == 0 else out.loss.mean()  # either API
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        state["mems"] = out.mems
+
+    train_step()  # memory filled: the counted step is a steady-state one
+    with CountOps() as train_ops:
+        train_step()
+
+    model.eval()
+    model.config = model.config.replace(mem_len=512)
+    prompt = torch.randint(0, config.vocab_size, (512,)).tolist()
+    with torch.no_grad():
+        dec = CachedDecoder(model)
+        logp = dec.prefill([prompt])
+        for _ in range(3):  # past the first step (a CUDA graph captures on the second)
+            logp = dec.step(logp.argmax(-1))
+        tokens = 8
+        with CountOps() as decode_ops:
+            for _ in range(tokens):
+                logp = dec.step(logp.argmax(-1))
+    per_token = {k: v / tokens for k, v in decode_ops.counts.items()}
+
+    def top(counts: dict) -> dict:
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1])[:12])
+
+    return {
+        "shape": "wt103-base (16 layers, d_model 410, 10 x 41 heads, vocab 32k adaptive)",
+        "train_batch": "2 x 150, mem 150, dropout 0.1, fused Adam",
+        "train_ops_per_step": sum(train_ops.counts.values()),
+        "decode_ops_per_token": round(sum(per_token.values()), 1),
+        "train_top_ops": top(train_ops.counts),
+        "decode_top_ops_per_token": top(per_token),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ops", action="store_true", help="operation counts (wt103-base shape)")
+    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--config", default="cpu", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.ops:
+        result = count_ops()
+        text = json.dumps(result, indent=2)
+        print(text)
+        out = args.out or Path(__file__).parent / "results" / "profile_ops.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        return 0
     s = SHAPES[args.config]
     _, tx = build_pair(s)
     result = {

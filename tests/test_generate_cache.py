@@ -233,7 +233,7 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
                 rows.append(dec.step(torch.tensor([tok]))[0])
     got = torch.stack(rows)
     assert dec.net.layers[0].attn.qkv.weight.dtype == torch.bfloat16  # a bf16 copy, made once
-    assert dec.cache.k.dtype == torch.float32  # CPU: one-query attention stays float32
+    assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
     layer = model.layers[0]
     linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)
     smallest_weight = min(m.weight.numel() for m in linears)
@@ -244,5 +244,5 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
 
     # outside autocast the same decoder goes back to float32 (weights and the cache)
     step = dec.step(torch.tensor([cont[-1]]))
-    assert dec.cache.k.dtype == dec.net.layers[0].attn.qkv.weight.dtype == torch.float32
+    assert dec.cache.kv.dtype == dec.net.layers[0].attn.qkv.weight.dtype == torch.float32
     assert torch.isfinite(step).all()

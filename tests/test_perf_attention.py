@@ -67,7 +67,7 @@ def test_fused_scores_equal_reference(float64, per_row, with_position):
     inputs = [q, k, u] + ([rk, v] if with_position else [])
 
     bias, fresh = attn._bias(q, rk, mask, v, None)
-    got = attn._scores((q + u[:, None, :]) * attn.scale, k, bias, fresh)
+    got = attn._scores(q + u[:, None, :], k, bias, fresh)
     want = reference_scores(attn, q, k, rk, mask, u, v)
     assert got.shape == (b, h, qlen, klen)
     assert torch.equal(torch.isinf(got), ~mask.expand_as(got))

@@ -128,20 +128,21 @@ class RelativeAttention(nn.Module):
         return content, rel_shift(qp @ rk.transpose(-1, -2))
 
     def _scores(self, qc: Tensor, k: Tensor, bias: Tensor, fresh: bool) -> Tensor:
-        """Scaled scores [B, H, L, K] = qc . k + bias (qc already scaled), in one pass over the
+        """Scaled scores [B, H, L, K] = scale * qc . k + bias, in one pass over the
         [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
-        onto the bias (baddbmm, beta = 1). In place when the bias is ``fresh`` (a sum nothing
-        else references) and not a view that autograd would have to copy for it."""
+        onto the bias (baddbmm, beta = 1, alpha = scale). In place when the bias is ``fresh``
+        (a sum nothing else references) and not a view autograd would have to copy for it."""
         batch, heads, qlen, d_head = qc.shape
         klen = k.size(2)
         rows = batch * heads
         qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
-            scores = bias.view(rows, qlen, klen).baddbmm_(qc, kt)  # backward needs qc, kt only
+            # backward needs qc and kt only
+            scores = bias.view(rows, qlen, klen).baddbmm_(qc, kt, alpha=self.scale)
         else:
             bias = bias.expand(batch, heads, qlen, klen).reshape(rows, qlen, klen)
-            scores = torch.baddbmm(bias, qc, kt)
+            scores = torch.baddbmm(bias, qc, kt, alpha=self.scale)
         return scores.view(batch, heads, qlen, klen)
 
     def _bias(
@@ -219,7 +220,7 @@ class RelativeAttention(nn.Module):
             )
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
-            scores = self._scores((qc * self.scale).to(k.dtype), k, bias.to(k.dtype), fresh)
+            scores = self._scores(qc.to(k.dtype), k, bias.to(k.dtype), fresh)
             probs = torch.softmax(
                 scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
             )
@@ -245,14 +246,15 @@ class RelativeAttention(nn.Module):
         """
         inner = self.n_head * self.d_head
         q, kv = self.qkv(x).split([inner, 2 * inner], dim=-1)
-        if cache is None and mem is not None and mem.size(1) > 0:
+        q = self._heads(q)
+        if cache is not None:  # [B, L, 2I] -> [2, B, H, L, Dh]: one write for both
+            kv = kv.unflatten(-1, (2, self.n_head, self.d_head)).permute(2, 0, 3, 1, 4)
+            k, val = cache.write(kv)
+            return q.to(k.dtype), k, val  # attention runs in the cache's dtype
+        if mem is not None and mem.size(1) > 0:
             m = self.norm(mem) if self.pre_lnorm else mem
             kv = torch.cat([F.linear(m, self._split_qkv()[1]).to(kv.dtype), kv], dim=1)
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
-        q = self._heads(q)
-        if cache is not None:  # attention runs in the cache's dtype (see CachedDecoder)
-            k, val = cache.write(k, val)
-            q = q.to(k.dtype)
         return q, k, val
 
     def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:

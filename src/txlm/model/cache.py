@@ -40,7 +40,7 @@ class CacheStep:
     """What every layer of one segment shares (made once per segment by ``KVCache.advance``)."""
 
     slots: Tensor  # [L] the slots this segment writes
-    visible: Tensor  # bool [L, S] or [B, 1, L, S]: True where the query may attend
+    mask: Tensor  # additive 0 / -inf [L, S] or [B, 1, L, S], in the cache's dtype
     index: Tensor  # [L, S] distance of each (query, slot) pair, clamped into the table
 
 
@@ -58,14 +58,15 @@ class LayerCache:
         tables = self.cache.tables
         return None if tables is None else tables[self.layer]
 
-    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.write(self.layer, self.step, k, v)
+    def write(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        return self.cache.write(self.layer, self.step, kv)
 
 
 class KVCache:
-    """Per-layer keys and values [N, B, H, S, Dh] of the newest positions, plus their
-    positions and document ids; ``tables`` holds each layer's position keys [H, S, Dh] for
-    the distances 0 .. S-1, built once (``ensure_tables``)."""
+    """Per-layer keys and values ``kv`` [N, 2, B, H, S, Dh] of the newest positions (one
+    buffer, so a step stores both with one copy per layer), plus their positions and
+    document ids; ``tables`` holds each layer's position keys [H, S, Dh] for the distances
+    0 .. S-1, built once (``ensure_tables``)."""
 
     def __init__(
         self,
@@ -81,10 +82,9 @@ class KVCache:
     ) -> None:
         self.mem_len, self.max_len = mem_len, max_len
         self.slots = mem_len + max_len
-        shape = (n_layer, batch, n_head, self.slots, d_head)
+        shape = (n_layer, 2, batch, n_head, self.slots, d_head)
         # zeros, not empty: a masked slot still enters the products (0 weight x finite value)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = torch.full((self.slots,), _EMPTY, dtype=torch.long, device=device)
         self.doc = torch.zeros(batch, self.slots, dtype=torch.long, device=device)
         self.open_doc = torch.zeros(batch, dtype=torch.long, device=device)
@@ -93,13 +93,23 @@ class KVCache:
         self.tables: list[Tensor] | None = None
 
     @property
+    def k(self) -> Tensor:
+        """Keys [N, B, H, S, Dh] (a view)."""
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> Tensor:
+        """Values [N, B, H, S, Dh] (a view)."""
+        return self.kv[:, 1]
+
+    @property
     def batch(self) -> int:
-        return self.k.size(1)
+        return self.kv.size(2)
 
     def ensure_tables(self, build: Callable[[int], list[Tensor]]) -> list[Tensor]:
         """Per layer [H, S, Dh] position keys of distances 0 .. S-1 (``build(S)``), made once."""
         if self.tables is None:
-            self.tables = [t.to(self.k.dtype) for t in build(self.slots)]
+            self.tables = [t.to(self.kv.dtype) for t in build(self.slots)]
         return self.tables
 
     def advance(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> CacheStep:
@@ -128,14 +138,17 @@ class KVCache:
             same_doc = self.doc[:, None, :] == doc[:, :, None]  # [B, L, S]
             visible = (visible & same_doc)[:, None]
         self.next_pos.add_(qlen)
-        return CacheStep(slots, visible, dist.clamp(0, self.slots - 1))
+        # one 0 / -inf bias for every layer of the segment
+        mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=device)
+        mask.masked_fill_(~visible, float("-inf"))
+        return CacheStep(slots, mask, dist.clamp(0, self.slots - 1))
 
-    def write(self, layer: int, step: CacheStep, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this segment's keys and values [B, H, L, Dh]; all S slots [B, H, S, Dh]."""
-        keys, values = self.k[layer], self.v[layer]
-        keys.index_copy_(2, step.slots, k.to(keys.dtype))
-        values.index_copy_(2, step.slots, v.to(values.dtype))
-        return keys, values
+    def write(self, layer: int, step: CacheStep, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this segment's keys and values ``kv`` [2, B, H, L, Dh]; returns the keys and
+        values of all S slots, [B, H, S, Dh] each."""
+        buffer = self.kv[layer]
+        buffer.index_copy_(3, step.slots, kv.to(buffer.dtype))
+        return buffer[0], buffer[1]
 
     @property
     def length(self) -> int:
@@ -152,7 +165,7 @@ class KVCache:
         """The memory's keys and values [B, H, M', Dh], oldest first: for inspection and
         tests (the forward reads the slots where they are)."""
         order = self._memory_slots()
-        return self.k[layer].index_select(2, order), self.v[layer].index_select(2, order)
+        return self.kv[layer, 0].index_select(2, order), self.kv[layer, 1].index_select(2, order)
 
     def memory_valid(self) -> Tensor:
         """bool [B, M']: which memory positions the next token may attend to (its document's)."""
@@ -160,24 +173,23 @@ class KVCache:
 
     def cast(self, dtype: torch.dtype) -> None:
         """Hold keys, values and position keys in ``dtype`` from now on."""
-        if self.k.dtype != dtype:
-            self.k, self.v = self.k.to(dtype), self.v.to(dtype)
+        if self.kv.dtype != dtype:
+            self.kv = self.kv.to(dtype)
             self.tables = None if self.tables is None else [t.to(dtype) for t in self.tables]
 
     def resized(self, max_len: int) -> KVCache:
         """The same memory in a cache for segments of at most ``max_len`` (e.g. 1 to decode
         after reading a prompt in longer segments): copies the M' newest positions once."""
-        n_layer, batch, n_head, _, d_head = self.k.shape
+        n_layer, _, batch, n_head, _, d_head = self.kv.shape
         new = KVCache(
             n_layer, batch, n_head, d_head, mem_len=self.mem_len, max_len=max_len,
-            device=self.k.device, dtype=self.k.dtype,
+            device=self.kv.device, dtype=self.kv.dtype,
         )  # fmt: skip
         end = int(self.next_pos)
         src = torch.arange(end - self.length, end, device=self.pos.device)
         dst = src % new.slots
         src = src % self.slots
-        new.k[:, :, :, dst] = self.k[:, :, :, src]
-        new.v[:, :, :, dst] = self.v[:, :, :, src]
+        new.kv[..., dst, :] = self.kv[..., src, :]
         new.pos[dst] = self.pos[src]
         new.doc[:, dst] = self.doc[:, src]
         new.open_doc.copy_(self.open_doc)

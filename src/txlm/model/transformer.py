@@ -266,7 +266,7 @@ class TransformerXL(nn.Module):
         pos: Tensor | None = None
         if cache is not None:
             step = cache.advance(qlen, reset, same_length=c.same_length)
-            mask, next_valid = step.visible, None
+            mask, next_valid = step.mask, None
             if c.attn_type in ("xl", "shaw"):
                 cache.ensure_tables(self.position_table)
         else:
