@@ -120,10 +120,19 @@ class AdaptiveLogSoftmax(nn.Module):
 
     def _head_log_probs(self, hidden: Tensor) -> Tensor:
         weight, bias, proj = self._weights(0)
-        if self.n_clusters:
+        if not self.n_clusters:
+            logits = self._logits(hidden, weight, bias, proj)
+        elif hidden.size(0) >= weight.size(0):  # many rows: join the weights (the smaller copy)
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)
-        return F.log_softmax(_upcast(self._logits(hidden, weight, bias, proj)), dim=-1)
+            logits = self._logits(hidden, weight, bias, proj)
+        else:  # few rows (decoding): join the logits instead of copying the head's weights
+            h = hidden if proj is None else hidden @ proj
+            logits = torch.cat(
+                [F.linear(h, weight, bias), F.linear(h, self.cluster_weight, self.cluster_bias)],
+                dim=-1,
+            )
+        return F.log_softmax(_upcast(logits), dim=-1)
 
     # -- public -------------------------------------------------------------------------
     def log_prob(self, hidden: Tensor) -> Tensor:

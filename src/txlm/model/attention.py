@@ -138,8 +138,10 @@ class RelativeAttention(nn.Module):
         qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
-            # backward needs qc and kt only
-            scores = bias.view(rows, qlen, klen).baddbmm_(qc, kt, alpha=self.scale)
+            # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
+            # view would make autograd copy it for the in-place op)
+            bias = bias if bias.dim() == 3 else bias.view(rows, qlen, klen)
+            scores = bias.baddbmm_(qc, kt, alpha=self.scale)
         else:
             bias = bias.expand(batch, heads, qlen, klen).reshape(rows, qlen, klen)
             scores = torch.baddbmm(bias, qc, kt, alpha=self.scale)
@@ -160,11 +162,11 @@ class RelativeAttention(nn.Module):
         mask_bias = mask.to(dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
         if rk is None:
             return mask_bias, False
-        qp = ((q if v is None else q + v[:, None, :]) * self.scale).to(rk.dtype)
-        per_distance = qp @ rk.transpose(-1, -2)  # [B, H, L, K+1] or [B, H, L, S]
+        qp = (q if v is None else q + v[:, None, :]).to(rk.dtype)
         if cache is None:
-            pairs = rel_shift(per_distance)
-        else:
+            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2))  # from [B, H, L, K+1]
+        else:  # the cache's position keys are scaled already (TransformerXL.position_table)
+            per_distance = qp @ rk.transpose(-1, -2)  # [B, H, L, S]
             pairs = per_distance.gather(-1, cache.step.index.expand(*qp.shape[:2], -1, -1))
         if mask_bias.dim() == 2:  # merging (B, H) is a view, and the sum a new 3-D tensor
             batch, heads, qlen, klen = pairs.shape

@@ -312,7 +312,8 @@ class TransformerXL(nn.Module):
     @torch.no_grad()
     def position_table(self, span: int) -> list[Tensor]:
         """Per layer the position keys [H, span, Dh] of distances 0 .. span-1, clamped as the
-        forward clamps them: what a cache of ``span`` slots indexes (txlm.model.cache)."""
+        forward clamps them and multiplied by the attention's scale once (so no step scales
+        its queries for them): what a cache of ``span`` slots indexes (txlm.model.cache)."""
         c = self.config
         device = next(self.parameters()).device
         dist = torch.arange(span, device=device, dtype=torch.float32)
@@ -322,7 +323,9 @@ class TransformerXL(nn.Module):
             pos = sinusoid(dist, c.d_model).to(next(self.parameters()).dtype)
         else:
             pos = dist.clamp(max=self._shaw_clamp())
-        return [layer.attn.position_keys(pos).contiguous() for layer in self.layers]
+        return [
+            (layer.attn.position_keys(pos) * layer.attn.scale).contiguous() for layer in self.layers
+        ]
 
     def new_cache(
         self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
