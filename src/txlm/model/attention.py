@@ -75,6 +75,7 @@ class RelativeAttention(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.drop = Dropout(config.dropout)
 
+        self.untie_r = self.attn_type == "xl" and config.untie_r  # u, v of its own
         if self.attn_type == "xl":
             self.r_net = nn.Linear(config.d_model, inner, bias=False)  # W_kR
             if config.untie_r:
@@ -162,7 +163,7 @@ class RelativeAttention(nn.Module):
         mask_bias = mask.to(dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
         if rk is None:
             return mask_bias, False
-        qp = (q if v is None else q + v[:, None, :]).to(rk.dtype)
+        qp = (q if v is None else q + v.unsqueeze(1)).to(rk.dtype)
         if cache is None:
             pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2))  # from [B, H, L, K+1]
         else:  # the cache's position keys are scaled already (TransformerXL.position_table)
@@ -199,18 +200,17 @@ class RelativeAttention(nn.Module):
         x = self.norm(h) if self.pre_lnorm else h
         q, k, val = self._project(x, mem, cache)
 
-        if self.attn_type == "xl":
-            u = self.u if hasattr(self, "u") else u
-            v = self.v if hasattr(self, "v") else v
-        else:
+        if self.attn_type != "xl":
             u = v = None
+        elif self.untie_r:
+            u, v = self.u, self.v
         if cache is not None:
-            rk = cache.table
+            rk = cache.table  # held in the cache's dtype
         else:
             rk = self.position_keys(pos) if pos is not None else None
-        rk = rk.to(k.dtype) if rk is not None else None
+            rk = rk.to(k.dtype) if rk is not None else None
         bias, fresh = self._bias(q, rk, mask, v, cache)
-        qc = q if u is None else q + u[:, None, :]  # content terms (a) + (c)
+        qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
 
         extras: dict[str, Tensor] = {}
         if self._use_sdpa(q, rk, return_probs):
@@ -223,16 +223,16 @@ class RelativeAttention(nn.Module):
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
             scores = self._scores(qc.to(k.dtype), k, bias.to(k.dtype), fresh)
-            probs = torch.softmax(
-                scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)
-            )
-            probs = probs.to(val.dtype)
+            if scores.dtype == torch.float32 or scores.dtype == torch.float64:
+                probs = torch.softmax(scores, dim=-1)
+            else:  # half precision is normalised in float32
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(val.dtype)
             if return_probs:
                 extras["probs"] = probs
-            probs = dropout(probs, self.dropatt, self.training)
-            attn = probs @ val
+            attn = dropout(probs, self.dropatt, self.training) @ val
 
-        out = self.drop(self.out(attn.transpose(1, 2).flatten(2)))  # [B, L, D]
+        # functional dropout: the same as the module, without a module call per use
+        out = dropout(self.out(attn.transpose(1, 2).flatten(2)), self.drop.p, self.training)
         out = h + out if self.pre_lnorm else self.norm(h + out)
         return out, extras
 
@@ -289,5 +289,6 @@ class PositionwiseFF(nn.Module):
 
     def forward(self, h: Tensor) -> Tensor:
         x = self.norm(h) if self.pre_lnorm else h
-        out = self.drop(self.fc2(self.drop(F.relu(self.fc1(x)))))
+        p, training = self.drop.p, self.training
+        out = dropout(self.fc2(dropout(F.relu(self.fc1(x)), p, training)), p, training)
         return h + out if self.pre_lnorm else self.norm(h + out)
