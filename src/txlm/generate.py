@@ -2,8 +2,8 @@
 
 Dimension legend
     B  rows (prompts x samples)     P  padded prompt length       L  segment length
-    M  memory length (<= mem_len)   K  keys = M + L (M + 1 for a one-token step)
-    N  layers   H  heads   Dh head dim   D  model dim   V  vocabulary   C  cache capacity
+    M  memory length (<= mem_len)   S  cache slots (mem_len + L; mem_len + 1 to decode)
+    N  layers   H  heads   Dh head dim   D  model dim   V  vocabulary
 
 Procedure (Appendix E): the context is read in segments of ``tgt_len`` with memory carried
 from segment to segment, so the memory holds the newest ``mem_len`` states of every layer; the
@@ -13,14 +13,14 @@ renormalised top-k (k = 40 by default), optionally top-p, at a temperature.
 
 Why a cache. Transformer-XL's memory stores each layer's *input* hidden states; a forward pass
 re-projects all M of them to keys and values, O(M D^2) per layer and token. The projections
-never change once made (inference: no dropout, fixed weights), so ``CachedDecoder`` keeps them:
-per layer the keys and values of the memory positions (for pre-LN, of the normalised states),
-trimmed to ``mem_len`` exactly as the memory is. A step then projects one token and attends
-over M + 1 cached keys: O(M D) attention work per layer. The context segments use the same
-cache, so no memory state is ever projected twice. The relative position keys W_kR R_d depend
-only on the distance d, and a segment with K keys needs exactly the distances K-1 .. 0 (and the
-masked -1), so they are computed once per layer for d up to mem_len + tgt_len (clamped as the
-model clamps) and sliced: exact however the window slides.
+never change once made (inference: no dropout, fixed weights), so ``CachedDecoder`` keeps them
+in the model's ``KVCache`` (txlm.model.cache) and runs the model's own forward over it: a step
+projects one token and attends over the cached slots, O(M D) attention work per layer, and
+the context segments fill the same cache, so no memory state is ever projected twice.
+
+Sampling happens on the device (``sample``: top-k among k candidates, top-p, temperature,
+greedy, exponential-race draws from the given generator): no step or draw reads a value back
+to the host, and ``stream`` syncs once per token, to hand the ids out.
 
 Segmentation of the context is aligned to its END (the last segment is full, the first holds
 the remainder). Two reasons: the token that predicts the first new word sees the most context,
