@@ -1,0 +1,167 @@
+"""Two revisions of txlm side by side in one process: is the new code slower than the old?
+
+    git worktree add /tmp/old <rev>
+    python benchmarks/compare_revisions.py --old /tmp/old/src [--threads 2 --rounds 5]
+
+The old checkout's package is copied to a temporary directory as ``txlm_old`` (its imports
+rewritten), so both import at once; the new one is the ``txlm`` on the path. Both models get
+the same weights; each round times the old and the new code back to back on the same
+workload, so load on a shared machine hits both alike, and reports old time / new time
+(> 1: the new code is faster). Workloads at compare.py's "cpu" shape (4 layers, d_model 256,
+batch 8 x 128, vocabulary 204, fp32): a training step (Adam), evaluation with 128 and 512
+memory, plain and with the K/V cache, and greedy decoding (batch 1, mem 512, 32 tokens after
+a 512-token context, steps only). Writes benchmarks/results/compare_revisions.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "compare_revisions.json"
+SHAPE = dict(vocab_size=204, n_layer=4, d_model=256, n_head=8, d_head=32, d_inner=1024,
+             tgt_len=128, mem_len=128, dropout=0.1, dropatt=0.0, cutoffs=[], div_val=1)  # fmt: skip
+
+
+def import_old(src: Path, into: Path):
+    """Copy ``src/txlm`` to ``into/txlm_old`` with its imports renamed; import it."""
+    shutil.copytree(src / "txlm", into / "txlm_old")
+    for f in (into / "txlm_old").rglob("*.py"):
+        text = f.read_text()
+        text = re.sub(r"\btxlm\.", "txlm_old.", text)
+        text = re.sub(r"\bfrom txlm import\b", "from txlm_old import", text)
+        f.write_text(text)
+    sys.path.insert(0, str(into))
+    return {name: importlib.import_module(f"txlm_old.{name}") for name in MODULES}
+
+
+MODULES = ("config", "model", "generate", "model.kv_eval")
+
+
+def workloads(mods: dict, model, ids: torch.Tensor) -> dict:
+    def train():
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        st = {"mems": None, "i": 0}
+
+        def f():
+            model.train()
+            i = st["i"] % 5
+            st["i"] += 1
+            x, y = ids[:, i * 128 : (i + 1) * 128], ids[:, i * 128 + 1 : (i + 1) * 128 + 1]
+            out = model(x, mems=st["mems"], labels=y)
+            loss = out.loss if out.loss.dim() == 0 else out.loss.mean()  # either API
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            st["mems"] = out.mems
+
+        return f
+
+    def evaluate(mem: int, kv: bool):
+        def setup():
+            model.eval()
+            model.config = model.config.replace(mem_len=mem)
+            runner = mods["model.kv_eval"].CachedEvaluator(model) if kv else None
+            st = {"mems": None, "i": 0}
+
+            def f():
+                i = st["i"] % 5
+                st["i"] += 1
+                x = ids[:, i * 128 : (i + 1) * 128]
+                with torch.no_grad():
+                    if runner is not None:
+                        runner(x, labels=x)
+                    else:
+                        st["mems"] = model(x, mems=st["mems"], labels=x).mems
+
+            for _ in range(mem // 128):  # memory full before timing
+                f()
+            return f
+
+        return setup
+
+    def decode():
+        model.eval()
+        model.config = model.config.replace(mem_len=512)
+        ctx = torch.randint(0, 204, (1, 512), generator=torch.Generator().manual_seed(3))
+
+        def f():
+            with torch.no_grad():
+                dec = mods["generate"].CachedDecoder(model)
+                logp = dec.prefill(ctx.tolist())
+                t = time.perf_counter()
+                for _ in range(32):
+                    logp = dec.step(logp.argmax(-1))
+                return time.perf_counter() - t  # steps only
+
+        return f
+
+    return {
+        "train": (train, 2),
+        "eval_m128": (evaluate(128, False), 3),
+        "eval_m128_kv": (evaluate(128, True), 3),
+        "eval_m512": (evaluate(512, False), 3),
+        "eval_m512_kv": (evaluate(512, True), 3),
+        "generate": (decode, 1),
+    }
+
+
+def seconds(f, reps: int) -> float:
+    t = time.perf_counter()
+    for _ in range(reps):
+        r = f()
+    return r if isinstance(r, float) else (time.perf_counter() - t) / reps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", type=Path, required=True, help="the old checkout's src directory")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default=None, help="comma-separated workloads")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    new_mods = {name: importlib.import_module(f"txlm.{name}") for name in MODULES}
+    with tempfile.TemporaryDirectory() as tmp:
+        old_mods = import_old(args.old, Path(tmp))
+        torch.manual_seed(0)
+        new = new_mods["model"].TransformerXL(new_mods["config"].ModelConfig(**SHAPE))
+        old = old_mods["model"].TransformerXL(old_mods["config"].ModelConfig(**SHAPE))
+        old.load_state_dict(new.state_dict())
+        ids = torch.randint(0, 204, (8, 129 * 6), generator=torch.Generator().manual_seed(1))
+        runs = {"old": workloads(old_mods, old, ids), "new": workloads(new_mods, new, ids)}
+        names = args.only.split(",") if args.only else list(runs["new"])
+        result: dict = {"threads": args.threads, "rounds": args.rounds, "workloads": {}}
+        for name in names:
+            fns = {}
+            for side in ("old", "new"):
+                make, reps = runs[side][name]
+                fns[side] = (make(), reps)
+                seconds(*fns[side])  # warm
+            ratios = []
+            for _ in range(args.rounds):
+                t = {side: seconds(*fns[side]) for side in ("old", "new")}
+                ratios.append(round(t["old"] / t["new"], 3))
+            row = {"new_speed_vs_old": statistics.median(ratios), "rounds": ratios}
+            result["workloads"][name] = row
+            print(name, row, flush=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
