@@ -7,7 +7,10 @@ import math
 import pytest
 import torch
 
+from _train_helpers import metrics, weights
+from _train_helpers import txlm as run_txlm
 from txlm.analysis import ablation
+from txlm.config import ModelConfig
 from txlm.data import prepare_dataset
 from txlm.errors import ConfigError
 
@@ -25,11 +28,58 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_lr_schedule():
-    assert ablation.lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
-    assert ablation.lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
-    assert ablation.lr_at(55, 100, 1.0, 10) == pytest.approx(0.5)
-    assert ablation.lr_at(100, 100, 1.0, 10) == pytest.approx(0.0)
+def test_variant_config_is_the_papers_optimiser_and_objective():
+    s = ablation.AblationSettings(preset="debug", steps=40).resolved()
+    xl, half, norec = (
+        ablation.variant_config(s, v, dataset="shakespeare", data_dir=None, level=None, seed=3)
+        for v in (
+            ablation.Variant("xl", True, "xl", False),
+            ablation.Variant("xl-half", True, "xl", True),
+            ablation.Variant("xl-norec", False, "xl", False),
+        )
+    )
+    assert (xl.optim.schedule, xl.optim.warmup_steps, xl.optim.min_lr) == ("cosine", 2, 0.0)
+    assert (xl.optim.clip, xl.optim.max_steps, xl.run.seed) == (0.25, 40, 3)
+    assert (xl.optim.loss, half.optim.loss) == ("full", "half")
+    assert xl.model["mem_len"] == 16 and norec.model["mem_len"] == 0
+    assert xl.model.keys() == set(ModelConfig.from_preset("debug").to_dict()) - {"vocab_size"}
+
+
+@pytest.mark.slow
+def test_an_ablation_variant_is_txlm_train_step_for_step(corpus_dir, one_thread, tmp_path):
+    """The ablation's training is the trainer: the xl variant's run equals `txlm train`
+    with the variant's configuration, loss for loss and weight for weight."""
+    s = ablation.AblationSettings(preset="debug", steps=5).resolved()
+    variant = ablation.variants()[0]
+    config = ablation.variant_config(
+        s, variant, dataset="shakespeare", data_dir=str(corpus_dir.parent), level=None, seed=0
+    )
+    config.run.threads = 1
+    model, train_loss = ablation.train_variant(config, tmp_path / "ablate", device="cpu")
+    (tmp_path / "variant.yaml").write_text(config.to_yaml())
+    out = tmp_path / "train"
+    r = run_txlm(["train", "--config", str(tmp_path / "variant.yaml"), "--out", str(out)],
+                 corpus_dir.parent)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    ours, theirs = metrics(tmp_path / "ablate"), metrics(tmp_path / "train")
+    assert [m["step"] for m in ours] == [1, 2, 3, 4, 5]
+    assert [(m["loss"], m["lr"], m["grad_norm"]) for m in ours] == [
+        (m["loss"], m["lr"], m["grad_norm"]) for m in theirs
+    ]
+    assert train_loss == ours[-1]["loss"]  # the last 10% of 5 steps: the last step
+    state = model.state_dict()
+    for name, value in weights(out / "last").items():
+        assert torch.equal(state[name], value), name
+
+
+def test_half_loss_counts_the_last_half_of_each_segment():
+    from txlm.training.objective import OBJECTIVES
+
+    labels = torch.arange(12).view(2, 6)
+    half = OBJECTIVES["half"](labels)
+    assert half.tolist() == [[-100, -100, -100, 3, 4, 5], [-100, -100, -100, 9, 10, 11]]
+    assert labels[0, 0] == 0  # the batch's own labels are untouched
+    assert OBJECTIVES["full"](labels) is labels
 
 
 def test_settings_resolve_and_refuse_bad_values():

@@ -103,9 +103,9 @@ def test_ablate_json(env):
     assert [row["name"] for row in out["rows"]] == ["xl", "shaw", "xl-norec", "vanilla"]
     assert out["settings"]["steps"] == 3 and out["metric"] == "bpc"
     # the saved group loads, and reproduces the table's "init" figure of the vanilla row
-    model = txlm.load(env / "group" / "vanilla")
+    model = txlm.load(env / "group" / "vanilla" / "best")
     assert model.config.attn_type == "alrfou" and model.config.mem_len == 0
-    assert out["checkpoints"][3] == str(env / "group" / "vanilla")
+    assert out["checkpoints"][3] == str(env / "group" / "vanilla" / "best")
 
 
 @pytest.mark.parametrize(

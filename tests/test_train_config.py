@@ -116,17 +116,17 @@ def _cfg(**optim) -> TrainConfig:
 
 def test_cosine_with_warmup():
     c = _cfg(lr=1.0, warmup_steps=4, max_steps=14, schedule="cosine", min_lr=0.1)
-    assert [learning_rate(s, c) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert learning_rate(4, c) == pytest.approx(1.0)
-    assert learning_rate(9, c) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: mean of ends
-    assert learning_rate(14, c) == pytest.approx(0.1)
-    lrs = [learning_rate(s, c) for s in range(4, 15)]
+    assert [learning_rate(s, c.optim) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert learning_rate(4, c.optim) == pytest.approx(1.0)
+    assert learning_rate(9, c.optim) == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: mean of ends
+    assert learning_rate(14, c.optim) == pytest.approx(0.1)
+    lrs = [learning_rate(s, c.optim) for s in range(4, 15)]
     assert all(a >= b for a, b in itertools.pairwise(lrs))
 
 
 def test_inverse_sqrt_and_constant():
     c = _cfg(lr=1.0, warmup_steps=4, schedule="inv_sqrt")
-    assert learning_rate(3, c) == pytest.approx(1.0)
-    assert learning_rate(15, c) == pytest.approx(math.sqrt(4 / 16))
+    assert learning_rate(3, c.optim) == pytest.approx(1.0)
+    assert learning_rate(15, c.optim) == pytest.approx(math.sqrt(4 / 16))
     c = _cfg(lr=0.3, warmup_steps=0, schedule="constant")
-    assert learning_rate(0, c) == learning_rate(999, c) == 0.3
+    assert learning_rate(0, c.optim) == learning_rate(999, c.optim) == 0.3

@@ -12,8 +12,9 @@ batch-level throughput. Every token but the first is predicted exactly once.
 Because the model's positions are relative, evaluation may use a longer memory (and segment)
 than training: ``mem_len`` and friends override the model's lengths for this call only.
 
-``evaluate_tokens`` works on any 1-D token array, so scoring a user's file (``txlm.score``)
-and the training loop's validation use the same code.
+``stream_segments`` is the one loop that reads a stream segment by segment with memory;
+``evaluate_tokens`` (validation, ``txlm eval``), ``txlm.score`` and the analysis tools are
+built on it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,17 +54,18 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 def stream_rows(tokens: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
     """Cut a 1-D stream into ``batch_size`` contiguous rows of inputs and next-token labels.
 
-    Returns ``(input_ids, labels)``, both [B, R], R = ceil((N - 1) / B); padding positions
-    hold token 0 with label -100 (ignored). Padding only ever follows a row's real tokens,
-    so causal attention keeps it from changing any scored position.
+    Returns ``(input_ids, labels)``, both [B, R], R = ceil((N - 1) / B), on the tokens'
+    device; padding positions hold token 0 with label -100 (ignored). Padding only ever
+    follows a row's real tokens, so causal attention keeps it from changing any scored
+    position.
     """
     n = tokens.numel() - 1
     if n < 1:
         raise ValueError("a stream needs at least two tokens to predict one")
     batch_size = max(1, min(batch_size, n))
     row_len = math.ceil(n / batch_size)
-    inputs = torch.zeros(batch_size, row_len, dtype=torch.long)
-    labels = torch.full((batch_size, row_len), -100, dtype=torch.long)
+    inputs = torch.zeros(batch_size, row_len, dtype=torch.long, device=tokens.device)
+    labels = torch.full((batch_size, row_len), -100, dtype=torch.long, device=tokens.device)
     for b in range(batch_size):
         start = b * row_len
         stop = min(n, start + row_len)
@@ -72,7 +76,107 @@ def stream_rows(tokens: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:
     return inputs, labels
 
 
+@dataclass
+class Segment:
+    """One segment of a stream, after the model read it (see ``stream_segments``)."""
+
+    index: int  # 0, 1, ... in reading order
+    start: int  # column of the rows where the segment begins
+    input_ids: Tensor  # [B, L] on the model's device
+    labels: Tensor | None  # [B, L] next tokens (-100: ignored), None when not predicting
+    tokens: int  # labelled positions in this segment (counted on the host)
+    out: Any  # what the step returned: TransformerXLOutput by default
+
+
+# (input_ids, labels, mems, mem_mask) -> an object with .mems and .mem_mask
+Step = Callable[[Tensor, Tensor | None, list[Tensor] | None, Tensor | None], Any]
+
+
+@contextlib.contextmanager
+def _lengths(model: TransformerXL, **lengths: Any) -> Iterator[None]:
+    saved = model.config
+    model.set_lengths(**lengths)
+    try:
+        yield
+    finally:
+        model.config = saved
+
+
 @torch.no_grad()
+def stream_segments(
+    model: TransformerXL,
+    tokens: Tensor | np.ndarray,
+    *,
+    batch_size: int = 1,
+    predict: bool = True,
+    tgt_len: int | None = None,
+    mem_len: int | None = None,
+    clamp_len: int | None = None,
+    same_length: bool | None = None,
+    max_segments: int | None = None,
+    precision: str = "fp32",
+    kv_cache: bool = False,
+    step: Step | None = None,
+) -> Iterator[Segment]:
+    """Read a 1-D token stream through ``model`` segment by segment, memory carried.
+
+    The one streaming loop of txlm: evaluation, scoring, the ablation's evaluation, the
+    evaluation-speed benchmark and the attention maps all iterate over it.
+
+    ``predict``: cut the stream into ``batch_size`` rows of inputs and next-token labels
+    (``stream_rows``); False: the tokens themselves are the one row of inputs, no labels.
+    The lengths override the model's for the duration (``mem_len`` may exceed training's);
+    the model runs in eval mode; both are restored when the iteration ends or is closed.
+    ``kv_cache``: keep the memory's projected keys and values (``CachedEvaluator``).
+    ``step``: a replacement for the model call (e.g. one that also collects attention).
+    """
+    device = next(model.parameters()).device
+    stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64) if isinstance(tokens, np.ndarray)
+                             else tokens).long().view(-1)  # fmt: skip
+    if predict:
+        inputs, labels = stream_rows(stream, batch_size)
+        counts = (labels != -100).sum(dim=0).cumsum(0)
+    else:
+        inputs, labels, counts = stream[None], None, None
+    was_training = model.training
+    lengths = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
+    with _lengths(model, **lengths):
+        model.eval()
+        try:
+            seg_len = model.config.tgt_len
+            n_segments = math.ceil(inputs.size(1) / seg_len)
+            if max_segments is not None:
+                n_segments = min(n_segments, max_segments)
+            if step is None:
+                step = _model_step(model, kv_cache)
+            mems: list[Tensor] | None = None
+            mem_mask: Tensor | None = None
+            done = 0
+            for index in range(n_segments):
+                lo = index * seg_len
+                hi = min(lo + seg_len, inputs.size(1))
+                ids = inputs[:, lo:hi].to(device, non_blocking=True)
+                lab = None if labels is None else labels[:, lo:hi].to(device, non_blocking=True)
+                with autocast(device, precision):
+                    out = step(ids, lab, mems, mem_mask)
+                mems, mem_mask = out.mems, out.mem_mask
+                seen = 0 if counts is None else int(counts[hi - 1])
+                yield Segment(index, lo, ids, lab, seen - done, out)
+                done = seen
+        finally:
+            model.train(was_training)
+
+
+def _model_step(model: TransformerXL, kv_cache: bool) -> Step:
+    """The model call of ``stream_segments``: a plain forward, or the key/value cache."""
+    if kv_cache:
+        runner = CachedEvaluator(model)
+        return lambda ids, labels, mems, mem_mask: runner(ids, labels=labels)
+    return lambda ids, labels, mems, mem_mask: model(
+        ids, mems=mems, labels=labels, mem_mask=mem_mask
+    )
+
+
 def evaluate_tokens(
     model: TransformerXL,
     tokens: Tensor | np.ndarray,
@@ -89,7 +193,6 @@ def evaluate_tokens(
     progress: bool = False,
     desc: str = "eval",
     kv_cache: bool = False,
-    compile: bool = False,
 ) -> dict[str, Any]:
     """Mean next-token loss over a stream, memory carried across segments.
 
@@ -99,73 +202,59 @@ def evaluate_tokens(
     ``max_steps`` caps the number of segments (a quick validation); memory still starts
     empty only once per row. ``kv_cache`` keeps the memory's projected keys and values between
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
-    rounding, faster with long memory). ``compile``: run the segments under ``torch.compile``
-    (static shapes: the first segment, without memory, and a shorter last one add a graph).
+    rounding, faster with long memory).
     """
-    device = next(model.parameters()).device
-    stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    inputs, labels = stream_rows(stream.view(-1), batch_size)
-
-    saved_config, was_training = model.config, model.training
-    model.set_lengths(
-        tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+    used = model.config.replace(
+        **{
+            k: v
+            for k, v in dict(
+                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+            ).items()
+            if v is not None
+        }
     )
-    c = model.config
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64)
-    count = 0
-    segments = 0
-    n_segments = math.ceil(inputs.size(1) / c.tgt_len)
-    if max_steps is not None:
-        n_segments = min(n_segments, max_steps)
+    segments = stream_segments(
+        model, tokens, batch_size=batch_size, tgt_len=tgt_len, mem_len=mem_len,
+        clamp_len=clamp_len, same_length=same_length, max_segments=max_steps,
+        precision=precision, kv_cache=kv_cache,
+    )  # fmt: skip
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=n_segments, desc=desc, unit="seg", leave=False, dynamic_ncols=True)
+        n = len(tokens) - 1
+        rows = max(1, min(batch_size, n))
+        total = math.ceil(math.ceil(n / rows) / used.tgt_len)
+        if max_steps is not None:
+            total = min(total, max_steps)
+        bar = tqdm(total=total, desc=desc, unit="seg", leave=False, dynamic_ncols=True)
+    # Summed on the model's device: one host sync at the end, not one per segment.
+    total_loss: Tensor | None = None
+    count = n_segments = rows_used = 0
     start = time.perf_counter()
     try:
-        mems: list[Tensor] | None = None
-        mem_mask: Tensor | None = None
-        runner = CachedEvaluator(model, compile=compile) if kv_cache else None
-        forward = torch.compile(model, dynamic=False) if compile and not kv_cache else model
-        for seg in range(n_segments):
-            lo = seg * c.tgt_len
-            ids = inputs[:, lo : lo + c.tgt_len].to(device, non_blocking=True)
-            lab = labels[:, lo : lo + c.tgt_len].to(device, non_blocking=True)
-            with autocast(device, precision):
-                if runner is not None:
-                    out = runner(ids, labels=lab)
-                else:
-                    out = forward(ids, mems=mems, labels=lab, mem_mask=mem_mask)
-            mems, mem_mask = out.mems, out.mem_mask
-            assert out.losses is not None
-            total += out.losses.double().sum().cpu()
-            n = int((lab != -100).sum())
-            count += n
-            segments += 1
+        for seg in segments:
+            loss = seg.out.loss.double().sum()
+            total_loss = loss if total_loss is None else total_loss + loss
+            count += seg.tokens
+            n_segments += 1
+            rows_used = seg.input_ids.size(0)
             if bar is not None:
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(
-                    loss=f"{total.item() / max(count, 1):.4f}", tok_s=f"{count / elapsed:.0f}"
-                )
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
-        model.config = saved_config
-        model.train(was_training)
+    loss = (0.0 if total_loss is None else total_loss.item()) / max(count, 1)
     seconds = time.perf_counter() - start
-    loss = total.item() / max(count, 1)
     result: dict[str, Any] = {
         "loss": loss,
         "tokens": count,
-        "segments": segments,
-        "batch_size": inputs.size(0),
-        "tgt_len": c.tgt_len,
-        "mem_len": c.mem_len,
-        "clamp_len": c.clamp_len,
-        "same_length": c.same_length,
+        "segments": n_segments,
+        "batch_size": rows_used,
+        "tgt_len": used.tgt_len,
+        "mem_len": used.mem_len,
+        "clamp_len": used.clamp_len,
+        "same_length": used.same_length,
         "seconds": seconds,
         "tokens_per_s": count / max(seconds, 1e-9),
     }
@@ -173,7 +262,3 @@ def evaluate_tokens(
         result["metric"] = metric
         result.update(_metrics.metrics(loss, metric, tokens_per_byte=tokens_per_byte))
     return result
-
-
-# The name the design notes use; both are the same function.
-evaluate = evaluate_tokens

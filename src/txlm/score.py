@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from txlm.errors import CheckpointError, ConfigError, DataError
+from txlm.evaluate import stream_segments
 from txlm.model.transformer import TransformerXL
 
 
@@ -59,38 +60,27 @@ def score(
     vocab_size = model.config.vocab_size
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
         raise ConfigError(f"token ids must lie in [0, {vocab_size})")
-    saved = model.config
-    was_training = model.training
-    model.set_lengths(
-        tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
-    )
-    model.eval()
-    try:
-        seg = model.config.tgt_len
-        device = next(model.parameters()).device
-        n = max(ids.numel() - 1, 0)
-        out = torch.empty(n, dtype=torch.float32)
-        mems = None
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=n, unit="tok", desc="score", leave=False)
-        for lo in range(0, n, seg):
-            hi = min(lo + seg, n)
-            inp = ids[lo:hi].to(device)[None]
-            lab = ids[lo + 1 : hi + 1].to(device)[None]
-            res = model(inp, mems=mems, labels=lab)
-            mems = res.mems
-            out[lo:hi] = -res.losses[0].float().cpu()
-            if bar is not None:
-                bar.update(hi - lo)
-        if bar is not None:
-            bar.close()
+    n = max(ids.numel() - 1, 0)
+    out = torch.empty(n, dtype=torch.float32)
+    if n == 0:
         return out
-    finally:
-        model.config = saved
-        model.train(was_training)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, unit="tok", desc="score", leave=False)
+    segments = stream_segments(
+        model, ids, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
+        same_length=same_length,
+    )  # fmt: skip
+    for seg in segments:
+        width = seg.input_ids.size(1)
+        out[seg.start : seg.start + width] = -seg.out.loss[0].float().cpu()
+        if bar is not None:
+            bar.update(width)
+    if bar is not None:
+        bar.close()
+    return out
 
 
 @dataclass

@@ -26,8 +26,6 @@ from txlm.config import PRESETS, ModelConfig
 from txlm.errors import ConfigError
 
 DEFAULT_PRESET = "shakespeare-char"
-SCHEDULES = ("cosine", "inv_sqrt", "constant")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
@@ -56,6 +54,9 @@ class OptimConfig:
     eps: float = 1e-8
     grad_accum: int = 1  # each rank's rows are split into this many chunks per step
     max_bad_steps: int = 10  # consecutive non-finite steps before the run stops
+    # Which positions the loss counts (txlm.training.objective): full, or half (the last
+    # L/2 of each segment: the paper's Table 6 ablation objective).
+    loss: Literal["full", "half"] = "full"
 
 
 @dataclass
@@ -79,7 +80,9 @@ class RunConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms + fixed threads
     threads: int | None = None  # torch intra-op threads; None: torch's default
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    compile: bool = False  # torch.compile the model
+    # torch.compile the training forward; auto: on for CUDA, off on CPU (slower there).
+    # Steps that compile count against neither time_budget_s nor tokens/s (reported apart).
+    compile: bool | Literal["auto"] = "auto"
     device: str = "auto"  # auto: cuda when available (per local rank), else cpu
     out_dir: str | None = None  # None: runs/<preset>
     log_interval: int = 10  # steps between metric records
@@ -89,7 +92,8 @@ class RunConfig:
     # runs on max(step / max_steps, time / budget), so a slow machine still gets a complete
     # cosine decay, and training ends when either runs out. Makes a run machine-dependent.
     time_budget_s: float | None = None
-    progress: bool = True
+    progress: bool = True  # a bar on a terminal; else a plain line every progress_interval
+    progress_interval: int = 100  # steps between plain progress lines (stderr not a terminal)
     tensorboard: bool = True  # when the tensorboard package is installed
 
 
@@ -155,6 +159,10 @@ class TrainConfig:
         check(e.sample_tokens >= 0, f"eval.sample_tokens must be >= 0, got {e.sample_tokens}")
         check(e.sample_top_k >= 1, f"eval.sample_top_k must be >= 1, got {e.sample_top_k}")
         check(r.log_interval >= 1, f"run.log_interval must be >= 1, got {r.log_interval}")
+        check(
+            r.progress_interval >= 1,
+            f"run.progress_interval must be >= 1, got {r.progress_interval}",
+        )
         check(r.save_interval >= 0, f"run.save_interval must be >= 0, got {r.save_interval}")
         check(r.threads is None or r.threads >= 1, f"run.threads must be >= 1, got {r.threads}")
         check(r.stop_at is None or r.stop_at >= 1, f"run.stop_at must be >= 1, got {r.stop_at}")

@@ -26,14 +26,18 @@ Evaluation on the validation split (the corpus's metric: bpc for characters, els
   states, same_length on, so every query sees exactly A keys (the paper's "Attn Len"). Each
   row reports the A of its best result ("train" when init wins).
 
-Training is a small self-contained loop (Adam, linear warm-up then cosine to 0, clip 0.25,
-the paper's optimiser): half loss is an ablation-only objective, and the group must see the
-same batches in the same order, which a fixed seed and one StreamIterator layout give.
+Every model is trained by ``txlm train``'s own trainer (``txlm.training.Trainer``) with the
+configuration ``variant_config`` builds: Adam, linear warm-up over the first 5% of steps then
+cosine to 0, clip 0.25 (the paper's optimiser), and ``optim.loss=half`` for the half-loss
+rows. The group sees the same batches in the same order (one seed, one stream layout), and
+``txlm train --config`` with a variant's configuration reproduces its run step for step.
+Evaluation is ``txlm.evaluate.evaluate_tokens``.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +48,8 @@ import torch
 
 from txlm.config import PRESETS, ModelConfig
 from txlm.errors import ConfigError
-from txlm.model import TransformerXL
+from txlm.evaluate import evaluate_tokens, metric_value
+from txlm.train_config import TrainConfig
 
 # Shapes for this analysis. "small": the default, about 30 minutes for the four models on
 # 2 CPU cores; "tiny": a couple of minutes; "debug": seconds (tests).
@@ -171,123 +176,105 @@ class AblationResult:
         return asdict(self)
 
 
-def _metric(nll: float, metric: str) -> float:
-    return nll / math.log(2) if metric == "bpc" else math.exp(nll)
+EVAL_ROWS = 8  # rows of the validation stream: each starts without memory once
 
 
-def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
-    """Linear warm-up, then cosine from ``peak`` to 0 at ``steps``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.5 * peak * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-
-def train_variant(
-    config: ModelConfig,
+def variant_config(
+    s: dict[str, Any],
     variant: Variant,
-    tokens: np.ndarray,
     *,
-    steps: int,
-    batch_size: int,
-    lr: float,
+    dataset: str,
+    data_dir: str | None,
+    level: str | None,
     seed: int,
-    device: torch.device,
     progress: bool = False,
-) -> tuple[TransformerXL, float]:
-    """Train one model of the group; returns (model, mean loss of the last 10% of steps)."""
-    from tqdm import tqdm
+) -> TrainConfig:
+    """The ``txlm train`` configuration of one model of the group (``s``: resolved settings).
 
-    from txlm.data import StreamIterator
-
-    torch.manual_seed(seed)  # the same initial draw for every variant where shapes agree
-    model = TransformerXL(config).to(device).train()
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
-    stream = StreamIterator(tokens, batch_size, config.tgt_len, seed=seed, device=device)
-    warmup = max(1, steps // 20)
-    half = config.tgt_len // 2
-    mems = None
-    recent: list[float] = []
-    batches = iter(stream)
-    bar = tqdm(total=steps, desc=variant.name, unit="step", disable=not progress, leave=False)
-    for step in range(steps):
-        try:
-            batch = next(batches)
-        except StopIteration:  # an epoch ended: the next starts every row afresh
-            batches, mems = iter(stream), None
-            batch = next(batches)
-        if batch.index == 0:
-            mems = None
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr, warmup)
-        labels = batch.labels
-        if variant.half_loss:  # the paper's "half" loss: only the recent half of positions
-            labels = labels.clone()
-            labels[:, :half] = -100
-        out = model(batch.input_ids, mems=mems if variant.recurrence else None, labels=labels)
-        counted = (labels != -100).sum().clamp(min=1)
-        loss = out.losses.sum() / counted
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        opt.step()
-        mems = out.mems if variant.recurrence else None
-        value = loss.item()
-        if step >= steps - max(1, steps // 10):
-            recent.append(value)
-        bar.update(1)
-        rate = (bar.format_dict["rate"] or 0.0) * batch.num_tokens
-        bar.set_postfix(loss=f"{value:.3f}", tok_s=f"{rate:.0f}")
-    bar.close()
-    return model.eval(), float(np.mean(recent))
-
-
-@torch.no_grad()
-def evaluate_nll(
-    model: TransformerXL,
-    tokens: np.ndarray,
-    *,
-    tgt_len: int,
-    mem_len: int,
-    same_length: bool,
-    rows: int = 8,
-) -> float:
-    """Mean NLL (nats) over ``tokens`` split into ``rows`` contiguous streams.
-
-    Every row is read in segments of ``tgt_len`` with a memory of ``mem_len`` states; the
-    rows only batch the work (each row's first segment starts without memory).
+    The model section lists every ModelConfig field, so the configuration means the same
+    whatever preset ``txlm train --config`` starts from.
     """
-    original = model.config
-    device = next(model.parameters()).device
-    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    per_row = (ids.numel() - 1) // rows
-    if per_row < 1:
-        raise ConfigError(f"{ids.numel()} evaluation tokens are too few for {rows} rows")
-    inp = torch.stack([ids[r * per_row : (r + 1) * per_row] for r in range(rows)]).to(device)
-    lab = torch.stack([ids[r * per_row + 1 : (r + 1) * per_row + 1] for r in range(rows)])
-    lab = lab.to(device)
-    total, count = 0.0, 0
-    try:
-        model.set_lengths(mem_len=mem_len, same_length=same_length)
-        mems = None
-        for s in range(0, per_row, tgt_len):
-            out = model(inp[:, s : s + tgt_len], mems=mems, labels=lab[:, s : s + tgt_len])
-            total += float(out.losses.double().sum())
-            count += out.losses.numel()
-            mems = out.mems if mem_len > 0 else None
-    finally:
-        model.config = original
-    return total / count
+    tgt = s["tgt_len"]
+    model = ModelConfig(
+        vocab_size=2,  # a stand-in: the data's vocabulary replaces it
+        **s["model"],
+        tgt_len=tgt,
+        mem_len=tgt if variant.recurrence else 0,
+        attn_type=variant.encoding,  # type: ignore[arg-type]
+        # Shaw: one learned vector per distance seen in training (up to L + M); Al-Rfou:
+        # one per position of a segment.
+        n_positions=2 * tgt if variant.encoding == "shaw" else tgt,
+        attn_impl="sdpa",
+    ).to_dict()
+    del model["vocab_size"]
+    steps = s["steps"]
+    return TrainConfig.from_dict(
+        {
+            "preset": "debug",  # a label only: the model section sets every field
+            "model": model,
+            "data": {
+                "dataset": dataset,
+                "data_dir": data_dir,
+                "level": level,
+                "batch_size": s["batch_size"],
+            },
+            "optim": {
+                "lr": s["lr"],
+                "schedule": "cosine",
+                "warmup_steps": max(1, steps // 20),
+                "max_steps": steps,
+                "min_lr": 0.0,
+                "clip": 0.25,
+                "loss": "half" if variant.half_loss else "full",
+            },
+            # Validation at the end only, short: the table's own evaluation follows.
+            "eval": {
+                "eval_interval": 0,
+                "max_eval_steps": 1,
+                "final_eval": False,
+                "sample_tokens": 0,
+            },
+            "run": {
+                "seed": seed,
+                "log_interval": 1,  # every step's loss: the train_loss column averages them
+                "progress": progress,
+                "tensorboard": False,
+                "compile": False,
+            },
+        }
+    )
 
 
-def _corpus(data: str, data_dir: str | None):
-    from txlm.data import load_prepared, prepare_dataset
-    from txlm.data.prepare import default_data_dir
+def train_variant(config: TrainConfig, out: Path, *, device: str) -> tuple[Any, float]:
+    """Train one model of the group with the trainer; (model, mean loss of the last 10% of
+    steps)."""
+    from txlm.train import Trainer
 
+    config.run.device = device
+    trainer = Trainer(config, out, echo=False)
+    trainer.fit()
+    records = [r for r in trainer_records(out) if r["split"] == "train"]
+    recent = records[-max(1, len(records) // 10) :]
+    return trainer.model.eval(), float(np.mean([r["loss"] for r in recent]))
+
+
+def trainer_records(out: Path) -> list[dict[str, Any]]:
+    from txlm.training.metrics import METRICS_FILE
+
+    path = out / METRICS_FILE
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _dataset(data: str) -> tuple[str, str | None, str | None]:
+    """(dataset name, data dir, level) for the trainer from a dataset name or prepared folder."""
     folder = Path(data)
     if not (folder / "meta.json").is_file():
-        folder = prepare_dataset(data, data_dir or default_data_dir(), progress=False)
-    return load_prepared(folder)
+        return data, None, None
+    meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    name = meta.get("dataset")
+    if name == "text" or not isinstance(name, str):
+        raise ConfigError(f"{folder} holds a prepared text corpus: pass it as text:PATH")
+    return name, str(folder.parent), meta.get("level")
 
 
 def run_ablation(
@@ -301,78 +288,62 @@ def run_ablation(
 ) -> AblationResult:
     """Train and evaluate the group; the Table-6-shaped result.
 
-    save_dir: also save every trained model as a checkpoint ``save_dir/<variant name>`` (with
-    the corpus's vocabulary), e.g. to measure the group's RECL with ``txlm recl``.
+    save_dir: keep every model's run (``save_dir/<variant name>``: ``best``, ``last``,
+    metrics), e.g. to measure the group's RECL with ``txlm recl save_dir/<name>/best``.
     """
     start = time.perf_counter()
     s = settings.resolved()
-    device = torch.device(device)
-    corpus = _corpus(data, data_dir)
-    train_tokens = corpus.split("train")
+    dataset, folder_dir, level = _dataset(data)
+    data_dir = folder_dir or data_dir
+    tgt = s["tgt_len"]
+    corpus = _corpus(dataset, data_dir, level)
     valid = np.asarray(corpus.split("valid")[: s["eval_tokens"] + 1])
     metric = corpus.metric if corpus.metric in ("bpc", "ppl") else "ppl"
-    tgt = s["tgt_len"]
     rows = []
-    for v in variants(settings.half_loss):
-        config = ModelConfig(
-            vocab_size=len(corpus.vocab),
-            **s["model"],
-            tgt_len=tgt,
-            mem_len=tgt if v.recurrence else 0,
-            attn_type=v.encoding,  # type: ignore[arg-type]
-            # Shaw: one learned vector per distance seen in training (up to L + M); Al-Rfou:
-            # one per position of a segment.
-            n_positions=2 * tgt if v.encoding == "shaw" else tgt,
-            attn_impl="sdpa",
-        )
-        t0 = time.perf_counter()
-        model, train_loss = train_variant(
-            config, v, train_tokens, steps=s["steps"], batch_size=s["batch_size"], lr=s["lr"],
-            seed=settings.seed, device=device, progress=progress,
-        )  # fmt: skip
-        seconds = time.perf_counter() - t0
-        if save_dir is not None:
-            from txlm.checkpoint import save
+    with tempfile.TemporaryDirectory(prefix="txlm-ablate-") as scratch:
+        runs = Path(save_dir) if save_dir is not None else Path(scratch)
+        for v in variants(settings.half_loss):
+            config = variant_config(
+                s, v, dataset=dataset, data_dir=data_dir, level=level, seed=settings.seed,
+                progress=progress,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            model, train_loss = train_variant(config, runs / v.name, device=str(device))
+            seconds = time.perf_counter() - t0
 
-            save(
-                model,
-                Path(save_dir) / v.name,
-                vocab_json=corpus.vocab.to_json(),
-                extra_config={
-                    "ablation": {**asdict(v), "steps": s["steps"], "seed": settings.seed}
-                },
+            def nll(model: Any = model, **lengths: Any) -> float:
+                return evaluate_tokens(model, valid, batch_size=EVAL_ROWS, **lengths)["loss"]
+
+            init = nll(tgt_len=tgt, mem_len=model.config.mem_len, same_length=False)
+            by_len = {
+                str(a): nll(tgt_len=tgt, mem_len=a, same_length=True) for a in s["eval_lengths"]
+            }
+            best_key, best = min(by_len.items(), key=lambda kv: kv[1])
+            best_len: int | str = int(best_key)
+            if init <= best:
+                best, best_len = init, "train"
+            rows.append(
+                AblationRow(
+                    name=v.name,
+                    recurrence=v.recurrence,
+                    encoding=v.encoding_label,
+                    loss="half" if v.half_loss else "full",
+                    params=model.num_parameters(),
+                    train_loss=train_loss,
+                    init=metric_value(init, metric),
+                    best=metric_value(best, metric),
+                    best_attn_len=best_len,
+                    by_attn_len={k: metric_value(x, metric) for k, x in by_len.items()},
+                    train_seconds=seconds,
+                )
             )
-        init = evaluate_nll(model, valid, tgt_len=tgt, mem_len=config.mem_len, same_length=False)
-        by_len = {
-            str(a): evaluate_nll(model, valid, tgt_len=tgt, mem_len=a, same_length=True)
-            for a in s["eval_lengths"]
-        }
-        best_key, best = min(by_len.items(), key=lambda kv: kv[1])
-        best_len: int | str = int(best_key)
-        if init <= best:
-            best, best_len = init, "train"
-        rows.append(
-            AblationRow(
-                name=v.name,
-                recurrence=v.recurrence,
-                encoding=v.encoding_label,
-                loss="half" if v.half_loss else "full",
-                params=model.num_parameters(),
-                train_loss=train_loss,
-                init=_metric(init, metric),
-                best=_metric(best, metric),
-                best_attn_len=best_len,
-                by_attn_len={k: _metric(x, metric) for k, x in by_len.items()},
-                train_seconds=seconds,
-            )
-        )
-        if progress:
-            r = rows[-1]
-            print(
-                f"{r.name}: init {r.init:.4f} best {r.best:.4f} (A={r.best_attn_len}) "
-                f"[{seconds:.0f} s]",
-                flush=True,
-            )
+            if progress:
+                r = rows[-1]
+                print(
+                    f"{r.name}: init {r.init:.4f} best {r.best:.4f} (A={r.best_attn_len}) "
+                    f"[{seconds:.0f} s]",
+                    flush=True,
+                )
     settings_out = {k: v for k, v in s.items()}
     settings_out["preset"] = settings.preset
     settings_out["half_loss"] = settings.half_loss
@@ -384,6 +355,15 @@ def run_ablation(
         dataset=str(corpus.meta.get("name", data)),
         seconds=time.perf_counter() - start,
         threads=torch.get_num_threads(),
+    )
+
+
+def _corpus(dataset: str, data_dir: str | None, level: str | None):
+    from txlm.data import load_prepared, prepare_dataset
+    from txlm.data.prepare import default_data_dir
+
+    return load_prepared(
+        prepare_dataset(dataset, data_dir or default_data_dir(), level=level, progress=False)
     )
 
 

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from txlm.errors import ConfigError
+from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.attention import RelativeAttention, rel_shift
 
@@ -165,11 +167,7 @@ def attention_maps(
         )
     if position is not None and not 0 <= position < ids.numel():
         raise ConfigError(f"position {position} is outside the text's {ids.numel()} tokens")
-    model.eval()
-    original = model.config
-    device = next(model.parameters()).device
     n_dist = mem_len + tgt_len
-    model.set_lengths(tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0)
     with_terms = terms and c.attn_type == "xl"
     capture = _TermCapture(model, n_dist) if with_terms else None
     n_segments = -(-ids.numel() // tgt_len)
@@ -180,23 +178,33 @@ def attention_maps(
     term_totals = {t: torch.zeros(c.n_layer, c.n_head, n_dist) for t in "abd"}
     queries = 0
     seg_probs: list[tuple[int, Tensor]] = []  # (segment start, [N, H, L, K]) of the view
-    mems = None
+    extras: list[dict] = []
+
+    def step(ids, labels, mems, mem_mask):
+        """The model's layers, keeping each layer's attention probabilities."""
+        extras.clear()
+        if capture is not None:  # only count the segments we average
+            for t in "abd":
+                capture.sums[t] = [None] * c.n_layer
+        _, new_mems, _ = model.transform(
+            ids, mems, attn_kwargs={"return_probs": True}, extras=extras
+        )
+        return SimpleNamespace(mems=new_mems, mem_mask=None)
+
     try:
-        for s in range(n_segments):
-            start = s * tgt_len
-            x = ids[start : start + tgt_len][None].to(device)
-            extras: list[dict] = []
-            if capture is not None:  # only count the segments we average
-                for t in "abd":
-                    capture.sums[t] = [None] * c.n_layer
-            _, mems, _ = model.transform(x, mems, attn_kwargs={"return_probs": True}, extras=extras)
+        segments = stream_segments(
+            model, ids, predict=False, tgt_len=tgt_len, mem_len=mem_len,
+            same_length=mem_len > 0, step=step,
+        )  # fmt: skip
+        for seg in segments:
+            s, start, width = seg.index, seg.start, seg.input_ids.size(1)
             probs = torch.stack([e["probs"][0] for e in extras]).float().cpu()  # [N, H, L, K]
-            want_view = position is not None and start <= position < start + x.size(1)
+            want_view = position is not None and start <= position < start + width
             if s < use_from and not want_view:
                 continue
             if s >= use_from:
                 total += by_distance(probs, n_dist).sum(dim=2)
-                queries += x.size(1)
+                queries += width
                 if capture is not None:
                     for t in "abd":
                         term_totals[t] += torch.stack(capture.sums[t]).float().cpu()
@@ -205,7 +213,6 @@ def attention_maps(
     finally:
         if capture is not None:
             capture.close()
-        model.config = original
 
     result = AttentionMaps(
         mean=total / max(queries, 1), queries=queries, tgt_len=tgt_len, mem_len=mem_len

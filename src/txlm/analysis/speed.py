@@ -20,6 +20,7 @@ same process, interleaved per length, with the same thread count and device.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ import torch
 from torch import Tensor
 
 from txlm.errors import ConfigError
+from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
 
 # The paper's Table 9: attention length -> how many times slower Al-Rfou et al. is (one GPU).
@@ -82,7 +84,6 @@ def vanilla_model_for(model: TransformerXL, max_attn_len: int) -> TransformerXL:
     return TransformerXL(cfg).to(device=p.device, dtype=p.dtype).eval()
 
 
-@torch.inference_mode()
 def time_xl(model: TransformerXL, stream: Tensor, attn_len: int, tgt_len: int, n_tokens: int):
     """Per-token seconds of segment-wise evaluation with a memory of ``attn_len`` states.
 
@@ -90,25 +91,23 @@ def time_xl(model: TransformerXL, stream: Tensor, attn_len: int, tgt_len: int, n
     untimed warm-up segments first, so every timed query attends to exactly ``attn_len`` keys.
     Returns (seconds per token, tokens timed).
     """
-    model.set_lengths(tgt_len=tgt_len, mem_len=attn_len, same_length=True)
     device = stream.device
     warm = -(-attn_len // tgt_len) + 1  # segments to fill the memory, plus one to warm kernels
     n_seg = max(1, -(-n_tokens // tgt_len))
-    mems = None
-    pos = 0
     elapsed = 0.0
-    for s in range(warm + n_seg):
-        x = stream[:, pos : pos + tgt_len]
-        y = stream[:, pos + 1 : pos + tgt_len + 1]
-        pos += tgt_len
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(x, mems=mems, labels=y)
-        out.loss.sum().item()  # forces the work (and a device sync) like a real evaluation
-        _sync(device)
-        if s >= warm:
-            elapsed += time.perf_counter() - t0
-        mems = out.mems
+    segments = stream_segments(
+        model, stream[0, : (warm + n_seg) * tgt_len + 1], tgt_len=tgt_len, mem_len=attn_len,
+        same_length=True, max_segments=warm + n_seg,
+    )  # fmt: skip
+    with contextlib.closing(segments):
+        for s in range(warm + n_seg):
+            _sync(device)
+            t0 = time.perf_counter()
+            seg = next(segments)
+            seg.out.loss.sum().item()  # forces the work (and a device sync) like a real evaluation
+            _sync(device)
+            if s >= warm:
+                elapsed += time.perf_counter() - t0
     return elapsed / (n_seg * tgt_len), n_seg * tgt_len
 
 
@@ -165,7 +164,6 @@ def measure_eval_speed(
     if vanilla not in ("alrfou", "same"):
         raise ConfigError(f"vanilla must be 'alrfou' or 'same', got {vanilla!r}")
     model.eval()
-    original = model.config
     p = next(model.parameters())
     device = p.device
     max_a = max(attn_lens)
@@ -180,43 +178,40 @@ def measure_eval_speed(
     stream = torch.randint(0, model.config.vocab_size, (1, need), generator=gen).to(device)
 
     rows = []
-    try:
-        # Untimed: the first forwards of a process pay for allocator and kernel warm-up.
-        time_xl(model, stream, min(attn_lens), tgt_len, tgt_len)
-        for a in attn_lens:
-            # the sample: evenly spaced target positions, each with a full window before it
-            lo, hi = a, need - 1
-            step = max(1, (hi - lo) // vanilla_positions)
-            positions = [min(lo + i * step, hi) for i in range(vanilla_positions)]
-            # Interleaved rounds, median per side: the machine is shared, and a burst of
-            # load in one round should not decide the ratio.
-            xl_times, van_times, forwards = [], [], 0
-            for k in range(repeats):
-                if progress:
-                    progress(f"attention length {a}, round {k + 1}/{repeats}")
-                xl_s, xl_n = time_xl(model, stream, a, tgt_len, xl_tokens)
-                van_s, n_fwd = time_vanilla(vanilla_model, stream, a, positions)
-                xl_times.append(xl_s)
-                van_times.append(van_s)
-                forwards += n_fwd
-            xl_s, van_s = statistics.median(xl_times), statistics.median(van_times)
-            rows.append(
-                SpeedRow(
-                    attn_len=a,
-                    xl_ms_per_token=xl_s * 1e3,
-                    vanilla_ms_per_token=van_s * 1e3,
-                    slowdown=van_s / xl_s if xl_s > 0 else float("inf"),
-                    xl_tokens=xl_n,
-                    vanilla_positions=len(positions),
-                    vanilla_forwards=forwards,
-                    repeats=repeats,
-                    paper_slowdown=PAPER_TABLE9.get(a),
-                )
+    # Untimed: the first forwards of a process pay for allocator and kernel warm-up.
+    time_xl(model, stream, min(attn_lens), tgt_len, tgt_len)
+    for a in attn_lens:
+        # the sample: evenly spaced target positions, each with a full window before it
+        lo, hi = a, need - 1
+        step = max(1, (hi - lo) // vanilla_positions)
+        positions = [min(lo + i * step, hi) for i in range(vanilla_positions)]
+        # Interleaved rounds, median per side: the machine is shared, and a burst of
+        # load in one round should not decide the ratio.
+        xl_times, van_times, forwards = [], [], 0
+        for k in range(repeats):
+            if progress:
+                progress(f"attention length {a}, round {k + 1}/{repeats}")
+            xl_s, xl_n = time_xl(model, stream, a, tgt_len, xl_tokens)
+            van_s, n_fwd = time_vanilla(vanilla_model, stream, a, positions)
+            xl_times.append(xl_s)
+            van_times.append(van_s)
+            forwards += n_fwd
+        xl_s, van_s = statistics.median(xl_times), statistics.median(van_times)
+        rows.append(
+            SpeedRow(
+                attn_len=a,
+                xl_ms_per_token=xl_s * 1e3,
+                vanilla_ms_per_token=van_s * 1e3,
+                slowdown=van_s / xl_s if xl_s > 0 else float("inf"),
+                xl_tokens=xl_n,
+                vanilla_positions=len(positions),
+                vanilla_forwards=forwards,
+                repeats=repeats,
+                paper_slowdown=PAPER_TABLE9.get(a),
             )
-    finally:
-        model.config = original
+        )
 
-    c = original
+    c = model.config
     return SpeedResult(
         rows=rows,
         tgt_len=tgt_len,

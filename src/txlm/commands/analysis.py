@@ -322,7 +322,7 @@ def _run_ablate(args: argparse.Namespace) -> int:
     )
     payload = {"command": "ablate", **result.to_dict()}
     if args.save_dir:
-        payload["checkpoints"] = [str(Path(args.save_dir) / r.name) for r in result.rows]
+        payload["checkpoints"] = [str(Path(args.save_dir) / r.name / "best") for r in result.rows]
     out = _out_dir(args)
     if out is not None:
         figure = out / "table6_ablation.png"
@@ -428,7 +428,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ab.add_argument("--lr", type=float, default=None, help="peak learning rate")
     ab.add_argument("--seed", type=int, default=0, help="default 0")
     ab.add_argument(
-        "--save-dir", default=None, help="also save each trained model here (for txlm recl)"
+        "--save-dir", default=None, help="keep each model's run here, DIR/NAME/best (for txlm recl)"
     )
     ab.add_argument("--dataset", default="shakespeare", help="prepared dataset name or folder")
     ab.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")

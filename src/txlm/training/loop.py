@@ -1,0 +1,597 @@
+"""The training loop: the paper's optimisation with memory carried across steps (Sec. 3.2, 4).
+
+Legend: B global batch rows, b = B / W rows on each of W ranks, c = b / A rows per gradient
+accumulation chunk, L segment length, M memory length, D model dim.
+
+One step:
+  1. the stream iterator yields this rank's b rows of the next segment (row i of step t+1
+     continues row i of step t, so row i's memory is its true preceding text);
+  2. the objective (``optim.loss``) picks the positions the loss counts; the rows are split
+     into A chunks; each chunk runs forward with its rows' memory and backward on
+     sum(token losses) * W / N,   N = counted tokens of the global batch,
+     so DDP's gradient average is exactly the mean token loss of the global batch: one
+     process with batch B and W processes with B / W rows each take the same step;
+  3. gradients are clipped (``optim.clip``), the learning rate follows the schedule, Adam
+     steps. The reported gradient norm is the one before clipping.
+Memory is detached by the model and reset where the data says (a new epoch, or the
+per-token document flags in doc_mode=reset).
+
+The pieces: ``schedule`` (learning rate), ``state`` (counters, RNG, optimizer and memory
+state), ``checkpointing`` (``last`` / ``best`` and resume), ``metrics`` (JSONL, TensorBoard,
+progress), ``objective`` (which positions count), ``signals`` (SIGINT/SIGTERM).
+
+Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
+to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
+deterministic mode).
+
+Every collective gets tensors on the training device: NCCL accepts no others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from txlm import checkpoint
+from txlm import distributed as dist
+from txlm.config import ModelConfig
+from txlm.errors import ConfigError
+from txlm.evaluate import autocast, evaluate_tokens, metric_value
+from txlm.model import TransformerXL
+from txlm.train_config import TrainConfig
+from txlm.training.checkpointing import TrainingError, load_run, save_run
+from txlm.training.metrics import MetricsLog, ProgressReport
+from txlm.training.objective import OBJECTIVES
+from txlm.training.sample import sample_text
+from txlm.training.schedule import learning_rate
+from txlm.training.signals import StopSignals
+from txlm.training.state import Counters, Memory
+
+RESULTS_FILE = "results.json"
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    """``run.device`` as a torch device; ``auto`` and ``cuda`` take this rank's GPU."""
+    if name == "auto":
+        name = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and torch.cuda.is_available():
+        name = f"cuda:{local_rank}"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("run.device asks for CUDA but no GPU is available")
+    return torch.device(name)
+
+
+def compile_wanted(setting: bool | str, device: torch.device) -> bool:
+    """``run.compile``: true, false, or auto (on for CUDA, where it pays; off on CPU, where
+    inductor's training step was measured slower than eager)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def _graphs_compiled() -> int:
+    """How many graphs torch.compile has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+class Trainer:
+    """``Trainer(config, out_dir).fit()`` trains, validates, checkpoints and evaluates.
+
+    ``resume``: a ``last`` checkpoint directory to continue from (exactly).
+    """
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        out_dir: str | Path,
+        *,
+        resume: str | Path | None = None,
+        echo: bool = True,
+    ) -> None:
+        self.config = config
+        self.out = Path(out_dir)
+        r = config.run
+        self.signals = StopSignals()
+
+        # Process group, device, threads, determinism.
+        probe = pick_device(r.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.dist = dist.init(probe.type)
+        self.device = pick_device(r.device, self.dist.local_rank)
+        self.echo = echo and self.dist.is_main
+        if r.precision == "fp16" and self.device.type != "cuda":
+            raise ConfigError("run.precision=fp16 needs a GPU (GradScaler); use bf16 on CPU")
+        if r.threads is not None:
+            torch.set_num_threads(r.threads)
+        if r.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            if self.device.type == "cuda":
+                torch.backends.cudnn.benchmark = False
+        world = self.dist.world_size
+        if config.data.batch_size % (world * config.optim.grad_accum):
+            raise ConfigError(
+                f"data.batch_size ({config.data.batch_size}) must be divisible by processes x "
+                f"optim.grad_accum ({world} x {config.optim.grad_accum})"
+            )
+
+        self._load_data()
+        self.objective = OBJECTIVES[config.optim.loss]
+
+        # Model and optimizer. Every rank builds the same initial weights from the seed.
+        torch.manual_seed(r.seed)
+        np.random.seed(r.seed % 2**32)
+        random.seed(r.seed)
+        self.model = TransformerXL(self.model_config).to(self.device)
+        self.model.train()
+        self.optimizer = self._build_optimizer()
+        self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
+        self.counters = Counters()
+        self.memory = Memory()
+        self.time_up = False
+        self.compile_seconds = 0.0
+        # Dropout draws differ per rank (different rows), reproducibly.
+        torch.manual_seed(r.seed + 1000003 * self.dist.rank)
+
+        if resume is not None:
+            load_run(self, Path(resume))
+
+        self.forward_model: Any = self.model
+        if self.dist.enabled:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.forward_model = DDP(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+            )
+        self.compiled = compile_wanted(r.compile, self.device)
+        if self.compiled:
+            self.forward_model = torch.compile(self.forward_model)
+
+    # -- construction -----------------------------------------------------------------------
+    def _load_data(self) -> None:
+        """Rank 0 prepares the corpus (download, tokenise); the others then read the folder."""
+        from txlm.data import (
+            SentenceStreamIterator,
+            StreamIterator,
+            default_data_dir,
+            load_prepared,
+            prepare_dataset,
+        )
+
+        c = self.config
+        data_dir = Path(c.data.data_dir) if c.data.data_dir else default_data_dir()
+        if self.dist.is_main:
+            path = prepare_dataset(
+                c.data.dataset,
+                data_dir,
+                level=c.data.level,
+                progress=self.echo and c.run.progress and sys.stderr.isatty(),
+            )
+        dist.barrier()
+        if not self.dist.is_main:
+            path = prepare_dataset(c.data.dataset, data_dir, level=c.data.level, progress=False)
+        self.corpus = load_prepared(path)
+        self.vocab = self.corpus.vocab
+        self.metric = self.corpus.metric
+        self.model_config: ModelConfig = c.model_config(len(self.vocab))
+        iterator = (
+            SentenceStreamIterator if self.corpus.meta.get("dataset") == "lm1b" else StreamIterator
+        )
+        doc_starts = self.corpus.doc_starts("train")
+        self.stream = iterator(
+            self.corpus.split("train"),
+            c.data.batch_size,
+            self.model_config.tgt_len,
+            doc_starts=doc_starts if len(doc_starts) else None,
+            doc_mode=c.data.doc_mode,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            varlen=c.data.varlen,
+            seed=c.run.seed,
+            device=self.device,
+        )
+        self._batches = iter(())  # started lazily, after a resume has set the position
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.config.optim
+        opt_cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
+        # fused: one kernel per step over all tensors instead of ~10 ops per tensor, on CPU
+        # and CUDA alike; the same update rule.
+        return opt_cls(
+            list(self.model.parameters()),  # tied tensors appear once
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True,
+        )
+
+    # -- the counters, by their established names ----------------------------------------------
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    @property
+    def bad_steps(self) -> int:
+        return self.counters.bad_steps
+
+    @property
+    def best_valid(self) -> float | None:
+        return self.counters.best_valid
+
+    @property
+    def train_seconds(self) -> float:
+        return self.counters.train_seconds
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.counters.tokens_seen
+
+    # -- one optimisation step ------------------------------------------------------------
+    def _next_batch(self) -> Any:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            self._batches = iter(self.stream)  # the iterator moves on to the next epoch
+            return next(self._batches)
+
+    def schedule_step(self) -> float:
+        """The step the schedule is at: the step count, or further on if time runs short."""
+        budget = self.config.run.time_budget_s
+        if budget is None:
+            return self.counters.step
+        return max(
+            self.counters.step,
+            self.config.optim.max_steps * self.counters.train_seconds / budget,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        c = self.config
+        batch = self._next_batch()
+        if batch.index == 0:
+            self.memory = Memory()  # an epoch starts every row afresh
+        lr = learning_rate(self.schedule_step(), c.optim)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        labels = self.objective(batch.labels)
+        local_tokens = (labels != -100).sum().to(self.device, torch.float64)
+        n_global = dist.all_reduce_sum(local_tokens.reshape(1)).item()
+        scale = self.dist.world_size / max(n_global, 1.0)
+        per = labels.size(0) // c.optim.grad_accum
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        parts: list[tuple[list[Tensor], Tensor | None]] = []
+        for i in range(c.optim.grad_accum):
+            rows = slice(i * per, (i + 1) * per)
+            mems, mask = self.memory.chunk(rows)
+            reset = None if batch.reset is None else batch.reset[rows]
+            last = i == c.optim.grad_accum - 1
+            sync = (
+                self.forward_model.no_sync()
+                if self.dist.enabled and not last and hasattr(self.forward_model, "no_sync")
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with autocast(self.device, c.run.precision):
+                    out = self.forward_model(
+                        batch.input_ids[rows],
+                        mems=mems,
+                        reset=reset,
+                        labels=labels[rows],
+                        mem_mask=mask,
+                    )
+                    loss = out.loss.float().sum()
+                self.scaler.scale(loss * scale).backward()
+            loss_sum += loss.detach().to(self.device, torch.float64)
+            parts.append((out.mems, out.mem_mask))
+        self.memory = Memory.join(parts)
+
+        loss_global = dist.all_reduce_sum(loss_sum.reshape(1)).item() / max(n_global, 1.0)
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = self._clip_gradients()
+        self._apply_update(loss_global, grad_norm)
+        self.counters.step += 1
+        self.counters.tokens_seen += int(n_global)
+        return {"loss": loss_global, "lr": lr, "grad_norm": grad_norm, "tokens": n_global}
+
+    def _clip_gradients(self) -> float:
+        """Scale the gradients to norm ``optim.clip`` at most; returns the norm before."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.config.optim.clip
+        if clip > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, clip))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+
+    def _apply_update(self, loss: float, grad_norm: float) -> None:
+        """Adam's step, or none when the loss or gradient is not finite (too many: stop)."""
+        c = self.config
+        fp16 = c.run.precision == "fp16"  # the grad scaler skips its own inf steps
+        if math.isfinite(loss) and (fp16 or math.isfinite(grad_norm)):
+            self.counters.bad_steps = 0
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()
+        self.memory = Memory()  # non-finite states must not feed the next segment
+        self.counters.bad_steps += 1
+        step = self.counters.step + 1
+        warnings.warn(
+            f"step {step}: non-finite loss or gradient ({loss}, grad norm {grad_norm}); step "
+            f"skipped ({self.counters.bad_steps}/{c.optim.max_bad_steps} in a row)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        if self.counters.bad_steps >= c.optim.max_bad_steps:
+            raise TrainingError(
+                f"training diverged: {self.counters.bad_steps} consecutive steps with a "
+                f"non-finite loss or gradient (last at step {step}); lower optim.lr, raise "
+                "optim.warmup_steps or use run.precision=fp32"
+            )
+
+    def _should_stop(self) -> tuple[int, bool]:
+        """(signal received on any rank, time budget spent on rank 0): one collective, so
+        every rank stops at the same step."""
+        budget = self.config.run.time_budget_s
+        late = self.dist.is_main and budget is not None and self.train_seconds >= budget
+        flags = torch.tensor(
+            [float(self.signals.received), float(late)], dtype=torch.float64, device=self.device
+        )
+        received, late_any = dist.all_reduce_max(flags).tolist()
+        return int(received), bool(late_any)
+
+    # -- validation -----------------------------------------------------------------------
+    def validate(self, *, split: str = "valid", full: bool = False) -> dict[str, Any] | None:
+        """Rank 0 streams ``split`` with the evaluation lengths; others get its result."""
+        result = None
+        if self.dist.is_main:
+            result = self.evaluate_split(self.model, split, full=full)
+        return dist.broadcast_object(result)
+
+    def evaluate_split(self, model: TransformerXL, split: str, *, full: bool) -> dict[str, Any]:
+        e = self.config.eval
+        result = evaluate_tokens(
+            model,
+            self.corpus.split(split),
+            batch_size=e.batch_size,
+            tgt_len=e.eval_tgt_len,
+            mem_len=e.eval_mem_len,
+            clamp_len=e.eval_clamp_len,
+            same_length=e.same_length,
+            max_steps=None if full else e.max_eval_steps,
+            precision=self.config.run.precision,
+            metric=self.metric,
+            progress=self.echo and self.config.run.progress and sys.stderr.isatty(),
+            desc=split,
+        )
+        result["split"] = split
+        return result
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, kind: str) -> None:
+        """Write ``out/last`` (everything needed to resume) or ``out/best``. Collective."""
+        save_run(self, kind)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        c = self.config
+        r, o, e = c.run, c.optim, c.eval
+        if self.dist.is_main:
+            # Find an unwritable --out or a full disk now, not at the first save after
+            # minutes of training. An atomic save holds the old and new `last` at once: 2x.
+            checkpoint.ensure_writable(
+                self.out, 2 * checkpoint.estimate_checkpoint_bytes(self.model)
+            )
+        log = MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
+        log.truncate_after(self.step)
+        if self.echo:
+            n_params = self.model.num_parameters()
+            print(
+                f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
+                f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+                f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
+            )
+            print("resolved configuration:\n" + _indent(c.to_yaml()))
+            if self.step:
+                print(f"resumed at step {self.step}")
+        stop_at = min(o.max_steps, r.stop_at) if r.stop_at else o.max_steps
+        report = ProgressReport(
+            enabled=self.dist.is_main and r.progress,
+            total=o.max_steps,
+            initial=self.step,
+            metric=self.metric,
+            interval=r.progress_interval,
+        )
+        self.signals.install()
+        interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
+        stopped_by = 0
+        session_steps, session_seconds = 0, 0.0
+        try:
+            while self.step < stop_at:
+                graphs = _graphs_compiled() if self.compiled else 0
+                t0 = time.perf_counter()
+                stats = self.train_step()
+                dt = time.perf_counter() - t0
+                if self.compiled and _graphs_compiled() > graphs:
+                    # A step that built a graph: compiling, not training, so it counts
+                    # against neither the time budget nor tokens/s.
+                    self.compile_seconds += dt
+                else:
+                    self.counters.train_seconds += dt
+                    interval["time"] += dt
+                    session_steps += 1
+                    session_seconds += dt
+                interval["loss"] += stats["loss"] * stats["tokens"]
+                interval["tokens"] += stats["tokens"]
+                if self.step % r.log_interval == 0 or self.step == stop_at:
+                    loss = interval["loss"] / max(interval["tokens"], 1.0)
+                    log.write(
+                        {
+                            "split": "train",
+                            "step": self.step,
+                            "loss": loss,
+                            self.metric: metric_value(loss, self.metric),
+                            "lr": stats["lr"],
+                            "grad_norm": stats["grad_norm"],
+                            "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
+                            "tokens_seen": self.tokens_seen,
+                            "train_seconds": self.train_seconds,
+                        }
+                    )
+                    interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
+                report.update(
+                    self.step,
+                    loss=stats["loss"],
+                    tokens=stats["tokens"],
+                    lr=stats["lr"],
+                    seconds=dt,
+                    eta_s=self._eta(stop_at, session_steps, session_seconds),
+                )
+                stopped_by, late = self._should_stop()
+                if late:
+                    if self.echo:
+                        report.message(
+                            f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
+                        )
+                    self.time_up = True
+                    break
+                validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
+                if validate_now and self.step < o.max_steps and not stopped_by:
+                    self._validate_and_save(log, report)
+                elif r.save_interval and self.step % r.save_interval == 0:
+                    self.save("last")
+                if stopped_by:
+                    break
+        except KeyboardInterrupt:
+            report.close()
+            self.signals.restore()
+            raise
+        report.close()
+        self.signals.restore()
+
+        if stopped_by:
+            self.save("last")
+            if self.echo:
+                print(
+                    f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
+                    f"--resume {self.out / 'last'}"
+                )
+            log.close()
+            dist.shutdown()
+            return {"stopped": True, "step": self.step, "exit_code": 128 + stopped_by}
+
+        summary: dict[str, Any] = {"step": self.step, "stopped": False}
+        finished = self.step >= o.max_steps or self.time_up
+        if finished:
+            self._validate_and_save(log, report)  # the final validation decides `best` too
+        else:
+            self.save("last")  # run.stop_at: a resumable pause, schedule unchanged
+        summary.update(
+            train_seconds=self.train_seconds,
+            compile_seconds=self.compile_seconds,
+            train_tokens=self.tokens_seen,
+            train_tokens_per_s=self.tokens_seen / max(self.train_seconds, 1e-9),
+            best_valid_loss=self.best_valid,
+        )
+        if self.compiled and self.echo:
+            print(
+                f"compiling took {self.compile_seconds:.1f}s (not counted in the time budget "
+                "or tokens/s)"
+            )
+        log.plot(self.out / "loss.png", self.metric)
+        if finished and e.final_eval and self.dist.is_main:
+            summary.update(self._final_evaluation())
+        if self.dist.is_main:
+            checkpoint.write_json(self.out / RESULTS_FILE, summary)
+        log.close()
+        dist.shutdown()
+        return summary
+
+    def _eta(self, stop_at: int, steps: int, seconds: float) -> float:
+        """Seconds of training left: the steps to go at this session's pace, or what is
+        left of the time budget when that comes first."""
+        left = (stop_at - self.step) * seconds / max(steps, 1)
+        budget = self.config.run.time_budget_s
+        if budget is not None:
+            left = min(left, max(budget - self.train_seconds, 0.0))
+        return left
+
+    def _validate_and_save(self, log: MetricsLog, report: ProgressReport) -> None:
+        result = self.validate()
+        assert result is not None
+        log.write(
+            {
+                "split": "valid",
+                "step": self.step,
+                "loss": result["loss"],
+                self.metric: result[self.metric],
+                "tokens": result["tokens"],
+                "tokens_per_s": result["tokens_per_s"],
+            }
+        )
+        if self.echo:
+            report.message(
+                f"step {self.step}: valid loss {result['loss']:.4f}, "
+                f"{self.metric} {result[self.metric]:.4f}"
+            )
+        improved = self.best_valid is None or result["loss"] < self.best_valid
+        if improved:
+            self.counters.best_valid = result["loss"]
+        self.save("last")
+        if improved:
+            self.save("best")
+
+    def _final_evaluation(self) -> dict[str, Any]:
+        """Valid and test with the preset's evaluation lengths, on `best`; then a sample."""
+        best_dir = self.out / "best"
+        model = checkpoint.load(best_dir, device=self.device) if best_dir.exists() else self.model
+        out: dict[str, Any] = {"metric": self.metric}
+        for split in ("valid", "test"):
+            result = self.evaluate_split(model, split, full=True)
+            out[split] = result
+            if self.echo:
+                print(
+                    f"{split}: loss {result['loss']:.4f}, {self.metric} "
+                    f"{result[self.metric]:.4f} over {result['tokens']} tokens "
+                    f"(tgt_len {result['tgt_len']}, mem_len {result['mem_len']}), "
+                    f"{result['tokens_per_s']:.0f} tokens/s"
+                )
+        e = self.config.eval
+        if e.sample_tokens > 0:
+            t0 = time.perf_counter()
+            # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
+            # then gives the same text there
+            text = sample_text(
+                model,
+                self.vocab,
+                e.sample_prompt,
+                e.sample_tokens,
+                top_k=e.sample_top_k,
+                seed=self.config.run.seed,
+            )
+            out["sample"] = text
+            out["sample_seconds"] = time.perf_counter() - t0
+            if self.echo:
+                seed = self.config.run.seed
+                print(f"sample (top-{e.sample_top_k}, {e.sample_tokens} tokens, seed {seed}):")
+                print(text)
+        return out
+
+
+def _indent(text: str) -> str:
+    return "".join("  " + line + "\n" for line in text.splitlines())

@@ -1,0 +1,33 @@
+"""The sample printed when a run ends (paper App. E: top-k sampling with memory)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from txlm.errors import TxlmError
+from txlm.model import TransformerXL
+from txlm.prompts import encode_prompt, start_token
+
+
+def sample_text(
+    model: TransformerXL,
+    vocab: Any,
+    prompt: str,
+    n_tokens: int,
+    *,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
+    """``prompt`` and ``n_tokens`` sampled after it, from ``txlm.generate`` with the model's
+    own lengths and the prompt read as `txlm generate` reads it: the same seed gives the
+    same text there."""
+    from txlm.generate import generate
+
+    try:
+        ids = encode_prompt(vocab, prompt)[0] if prompt else []
+    except TxlmError:  # a prompt the vocabulary cannot spell: sample unconditioned
+        ids, prompt = [], ""
+    start = start_token(vocab)
+    start_id = None if ids else (start if start is not None else 0)
+    new = generate(model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id)
+    return vocab.decode(ids + list(new))

@@ -1,0 +1,157 @@
+"""The run's state besides the weights, and how it is written without pickle.
+
+Legend: b rows of this rank, M memory length, D model dim.
+
+Everything a step depends on: the counters (``Progress``), Adam's moments, every RNG, the
+memory of the training rows and the data position. ``txlm.training.checkpointing`` writes
+them next to the weights in ``last``; reading them back makes a resumed run take exactly the
+steps it would have taken.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from txlm.errors import CheckpointError
+
+
+@dataclass
+class Counters:
+    """The counters of a run (saved in trainer_state.json)."""
+
+    step: int = 0  # optimizer steps taken (the schedule is a pure function of it)
+    best_valid: float | None = None  # best validation loss so far
+    bad_steps: int = 0  # consecutive non-finite steps
+    train_seconds: float = 0.0  # time in training steps (validation and compiling excluded)
+    tokens_seen: int = 0  # labelled tokens of the global batches so far
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "best_valid_loss": self.best_valid,
+            "bad_steps": self.bad_steps,
+            "train_seconds": self.train_seconds,
+            "tokens_seen": self.tokens_seen,
+        }
+
+    @classmethod
+    def from_dict(cls, state: dict[str, Any]) -> Counters:
+        return cls(
+            step=int(state["step"]),
+            best_valid=state.get("best_valid_loss"),
+            bad_steps=int(state.get("bad_steps", 0)),
+            train_seconds=float(state.get("train_seconds", 0.0)),
+            tokens_seen=int(state.get("tokens_seen", 0)),
+        )
+
+
+# -- memory of the training rows -----------------------------------------------------------
+@dataclass
+class Memory:
+    """The per-row memory of this rank's training streams (None: empty)."""
+
+    mems: list[Tensor] | None = None  # n_layer x [b, M, D]
+    mask: Tensor | None = None  # [b, M] bool or None (all valid)
+
+    def chunk(self, rows: slice) -> tuple[list[Tensor] | None, Tensor | None]:
+        if self.mems is None:
+            return None, None
+        mask = None if self.mask is None else self.mask[rows]
+        return [m[rows] for m in self.mems], mask
+
+    @staticmethod
+    def join(parts: list[tuple[list[Tensor], Tensor | None]]) -> Memory:
+        """The memory of gradient-accumulation chunks (mems, mask), concatenated into rows."""
+        if len(parts) == 1:
+            return Memory(*parts[0])
+        mems = [torch.cat(layer, dim=0) for layer in zip(*[m for m, _ in parts], strict=True)]
+        if all(mask is None for _, mask in parts):
+            return Memory(mems, None)
+        filled = [  # a chunk without a mask has all positions valid
+            torch.ones(m[0].shape[:2], dtype=torch.bool, device=m[0].device)
+            if mask is None
+            else mask
+            for m, mask in parts
+        ]
+        return Memory(mems, torch.cat(filled, dim=0))
+
+
+# -- RNG ------------------------------------------------------------------------------------
+def _b64(t: Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode("ascii")
+
+
+def _unb64(s: str) -> Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step may draw from (torch CPU and CUDA, numpy, Python), as JSON."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    state: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state()),
+        "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(_unb64(state["torch"]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), int(n[2]), int(n[3]), n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+
+
+# -- optimizer ------------------------------------------------------------------------------
+def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Adam's per-parameter tensors in safetensors, its hyper-parameters as JSON metadata."""
+    sd = optimizer.state_dict()
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, pstate in sd["state"].items():
+        for key, value in pstate.items():
+            if isinstance(value, Tensor):
+                tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(idx), {})[key] = value
+    meta = {"param_groups": json.dumps(sd["param_groups"]), "scalars": json.dumps(scalars)}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    if "param_groups" not in meta:
+        raise CheckpointError(f"{path} lacks the optimizer's param_groups metadata")
+    state: dict[int, dict[str, Any]] = {}
+    for name, value in tensors.items():
+        idx, key = name.split(".", 1)
+        state.setdefault(int(idx), {})[key] = value
+    for idx, extra in json.loads(meta.get("scalars", "{}")).items():
+        state.setdefault(int(idx), {}).update(extra)
+    try:
+        optimizer.load_state_dict(
+            {"state": state, "param_groups": json.loads(meta["param_groups"])}
+        )
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(f"{path} does not fit this model's optimizer: {exc}") from None
