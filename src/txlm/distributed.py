@@ -1,9 +1,14 @@
 """Process-group plumbing for ``torchrun`` (DDP). The model knows nothing of it.
 
-``torchrun --nproc_per_node N -m txlm train ...`` sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous variables; ``init()`` reads them and starts a process group (NCCL on GPUs, gloo on
-CPUs). Without them everything here degrades to a single process: rank 0 of 1, and the
-collectives return their input, so the training loop has one code path.
+``torchrun --nproc_per_node N -m txlm train ...`` (N GPUs of one machine, or N processes on
+a CPU) sets RANK, WORLD_SIZE, LOCAL_RANK and the rendezvous variables; ``init()`` reads them
+and starts a process group. Without them everything here degrades to a single process: rank
+0 of 1, and the collectives return their input, so the training loop has one code path.
+
+On GPUs the group is ``cpu:gloo,cuda:nccl``: NCCL reduces CUDA tensors, gloo whatever is on
+the host (the object collectives that gather RNG states). The tensor collectives here take
+their tensor where it is: callers keep the per-step scalars on the training device, so a
+step sends nothing through the host.
 """
 
 from __future__ import annotations
@@ -43,11 +48,15 @@ def init(device_type: str) -> DistInfo:
     world = int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(local)
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend_for(device_type))
     return DistInfo(rank=rank, world_size=world, local_rank=local)
+
+
+def backend_for(device_type: str) -> str:
+    """The process group's backends: NCCL for CUDA tensors plus gloo for host tensors."""
+    return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
 
 
 def active() -> bool:
