@@ -37,6 +37,8 @@ def run(tmp_path_factory):
             "eval.eval_interval=4",
             "eval.sample_tokens=40",
             "eval.sample_prompt=HAMLET.",
+            "run.progress=true",  # stderr is a pipe here, as in `make run > log 2>&1`
+            "run.progress_interval=4",
         ],
         root,
     )
@@ -68,6 +70,18 @@ def test_run_writes_checkpoints_metrics_and_results(run):
     assert (test["tgt_len"], test["mem_len"]) == (16, 32)  # the preset's evaluation lengths
     assert results["sample"].startswith("HAMLET.") and len(results["sample"]) > len("HAMLET.")
     assert "sample (top-40" in r.stdout and "test: loss" in r.stdout
+
+
+def test_progress_in_a_log_file_is_plain_lines(run):
+    """Not a terminal: a readable line every run.progress_interval steps, no bar frames."""
+    _, _, _, r = run
+    assert "\r" not in r.stderr and "\r" not in r.stdout
+    lines = [x for x in r.stderr.splitlines() if x.startswith("step ")]
+    assert [x.split()[1] for x in lines] == ["4/12", "8/12", "12/12"]
+    for line in lines:
+        for field in ("loss ", "bpc ", "lr ", " tok/s", "ETA "):
+            assert field in line, line
+    assert "step 4: valid loss" in r.stdout
 
 
 def test_end_of_run_sample_is_what_generate_gives_for_the_same_seed(run, monkeypatch, capsys):
