@@ -29,7 +29,7 @@ def test_plain_lines_every_interval_when_not_a_terminal():
     assert "\r" not in text
     lines = text.splitlines()
     assert [LINE.match(x).group(1) for x in lines] == ["4", "8", "10"]  # and the last step
-    step, loss, bpc, lr, tok_s, eta = LINE.match(lines[0]).groups()
+    _, loss, bpc, lr, tok_s, eta = LINE.match(lines[0]).groups()
     assert float(loss) == (1 + 2 + 3 + 4) / 4  # the mean over the steps since the last line
     assert float(bpc) == round(2.5 / 0.6931471805599453, 4)
     assert float(lr) == 1e-3 / 4 and tok_s == "200" and eta == "6:30"
