@@ -18,7 +18,8 @@ per-token document flags in doc_mode=reset).
 
 The pieces: ``schedule`` (learning rate), ``state`` (counters, RNG, optimizer and memory
 state), ``checkpointing`` (``last`` / ``best`` and resume), ``metrics`` (JSONL, TensorBoard,
-progress), ``objective`` (which positions count), ``signals`` (SIGINT/SIGTERM).
+progress), ``objective`` (which positions count), ``precision`` (bf16 compute weights),
+``signals`` (SIGINT/SIGTERM).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -53,6 +54,7 @@ from txlm.train_config import TrainConfig
 from txlm.training.checkpointing import TrainingError, load_run, save_run
 from txlm.training.metrics import MetricsLog, ProgressReport
 from txlm.training.objective import OBJECTIVES
+from txlm.training.precision import ComputeCopy
 from txlm.training.sample import sample_text
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
@@ -148,12 +150,14 @@ class Trainer:
         if resume is not None:
             load_run(self, Path(resume))
 
-        self.forward_model: Any = self.model
+        # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
+        self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
+        self.forward_model: Any = self.model if self.compute is None else self.compute.model
         if self.dist.enabled:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.forward_model = DDP(
-                self.model,
+                self.forward_model,
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 broadcast_buffers=False,
             )
@@ -299,6 +303,8 @@ class Trainer:
             loss_sum += loss.detach().to(self.device, torch.float64)
             parts.append((out.mems, out.mem_mask))
         self.memory = Memory.join(parts)
+        if self.compute is not None:
+            self.compute.gradients_to_master()
 
         loss_global = dist.all_reduce_sum(loss_sum.reshape(1)).item() / max(n_global, 1.0)
         self.scaler.unscale_(self.optimizer)
@@ -325,6 +331,8 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.compute is not None:
+                self.compute.refresh()
             return
         self.optimizer.zero_grad(set_to_none=True)
         self.scaler.update()

@@ -1,0 +1,68 @@
+"""Mixed precision without casting the big weights at every use.
+
+Under ``torch.autocast`` every matmul casts its fp32 weight to bf16 again in every forward
+(and every gradient-accumulation chunk). Here, for ``run.precision=bf16``, forward and
+backward run on a copy of the model whose decoder-layer linear weights and biases (the
+attention and feed-forward matrices: nearly all the matmul work) are held in bf16:
+
+  master (fp32, ``Trainer.model``)  --refresh after each Adam step-->  bf16 copies
+  the copies' bf16 gradients        --once per step-->                 master ``.grad``
+
+so a step casts those weights once, in one fused ``_foreach_copy_`` after the optimizer,
+and their matmuls find the operands already in bf16. Every other parameter (embeddings and
+the tied output layer, layer norms, the u/v biases) is shared with the master, fp32, and
+autocast treats it as before. Autocast stays on around the forward for its per-op policy.
+The forward equals autocast's bit for bit (autocast rounds the same fp32 weights to the same
+bf16 values); the master weights and Adam's state stay fp32; checkpoints hold the master.
+Gradients of several accumulation chunks add up in bf16 before they reach the master (with
+``optim.grad_accum`` = 1 there is nothing to add).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from txlm.model import TransformerXL
+
+
+class ComputeCopy:
+    """``model``: ``master`` with its decoder-layer linear parameters in ``dtype``."""
+
+    def __init__(self, master: TransformerXL, dtype: torch.dtype) -> None:
+        low = {
+            id(p)
+            for layer in master.layers
+            for module in layer.modules()
+            if isinstance(module, nn.Linear)
+            for p in module.parameters()
+        }
+        # deepcopy with every other parameter pre-placed in its memo: those stay the very
+        # same Parameter objects (shared, fp32, their gradients land on the master)
+        memo = {id(p): p for p in master.parameters() if id(p) not in low}
+        self.model = copy.deepcopy(master, memo)
+        self.master_params: list[nn.Parameter] = []
+        self.params: list[nn.Parameter] = []
+        for (name, p), (_, m) in zip(
+            self.model.named_parameters(), master.named_parameters(), strict=True
+        ):
+            if p is m:
+                continue
+            assert id(m) in low, name
+            p.data = p.data.to(dtype)
+            self.params.append(p)
+            self.master_params.append(m)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the master weights in (after each optimizer step)."""
+        torch._foreach_copy_(self.params, self.master_params)
+
+    @torch.no_grad()
+    def gradients_to_master(self) -> None:
+        """Move this step's gradients of the copies to the master's ``.grad`` (fp32)."""
+        for p, m in zip(self.params, self.master_params, strict=True):
+            m.grad = None if p.grad is None else p.grad.to(m.dtype)
+            p.grad = None

@@ -1,0 +1,100 @@
+"""bf16 training without per-use weight casts: forward and backward run on bf16 copies of
+the fp32 master weights, refreshed once after each Adam step (txlm.training.precision).
+
+Casts are counted with a dispatch mode: every ``aten._to_copy`` whose input shares storage
+with a weight (master or copy). Plain autocast on fp32 weights casts at every weight use;
+the trainer's bf16 step casts none, and refreshes the copies with one fused copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _train_helpers import tiny_text
+
+
+class WeightCasts(TorchDispatchMode):
+    def __init__(self, *weights: torch.nn.Module | torch.Tensor) -> None:
+        super().__init__()
+        tensors = [t for w in weights for t in ([w] if isinstance(w, torch.Tensor)
+                                                else w.parameters())]  # fmt: skip
+        self.ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        self.casts = 0
+        self.refreshes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and self._is_weight(args[0]):
+            self.casts += 1
+        if func is torch.ops.aten._foreach_copy_.default:
+            self.refreshes += 1
+        return func(*args, **kwargs)
+
+    def _is_weight(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in self.ptrs
+
+
+@pytest.fixture
+def trainer(tmp_path):
+    from txlm.train import Trainer
+    from txlm.train_config import resolve
+
+    text = tiny_text(tmp_path, n_chars=6000)
+    config = resolve(
+        "debug",
+        None,
+        [
+            f"data.dataset=text:{text}",
+            f"data.data_dir={tmp_path / 'data'}",
+            "model.dropout=0.0",
+            "run.precision=bf16",
+            "run.tensorboard=false",
+            "run.progress=false",
+        ],
+    )
+    return Trainer(config, tmp_path / "run", echo=False)
+
+
+def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
+    initial = copy.deepcopy(trainer.model)  # fp32, as the run starts
+    batches = []
+    real_next = trainer._next_batch
+    trainer._next_batch = lambda: batches.append(real_next()) or batches[-1]
+    loss = trainer.train_step()["loss"]
+
+    # The first step's loss is autocast's on the same fp32 weights, to the bit: autocast
+    # rounds each weight to the same bf16 value the copy holds.
+    b = batches[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = initial(b.input_ids, labels=b.labels).loss.float().sum().detach()
+    assert loss == ref.double().item() / int((b.labels != -100).sum())
+
+    # the old way: autocast over fp32 weights
+    with WeightCasts(initial) as plain, torch.autocast("cpu", dtype=torch.bfloat16):
+        initial(b.input_ids, labels=b.labels).loss.float().sum().backward()
+    assert plain.casts >= trainer.model_config.n_layer * 4  # every weight use casts
+
+    with WeightCasts(*trainer.compute.params, *trainer.compute.master_params) as step:
+        trainer.train_step()
+    assert step.casts == 0  # the decoder's matrices: not one cast
+    assert step.refreshes == 1  # the copies, refreshed once after Adam
+    with WeightCasts(trainer.model) as everything:
+        trainer.train_step()
+    # what is left: the fp32 embedding (tied to the output layer) and its bias, cast by
+    # autocast for the output matmul in the forward
+    assert 0 < everything.casts <= 4 < plain.casts
+
+    # fp32 master and Adam state; the copies equal the master rounded to bf16
+    # per layer: qkv, out and r_net weights, fc1 and fc2 weights and biases
+    assert len(trainer.compute.params) == trainer.model_config.n_layer * 7
+    for p, m in zip(trainer.compute.params, trainer.compute.master_params, strict=True):
+        assert m.dtype == torch.float32 and p.dtype == torch.bfloat16
+        assert torch.equal(p, m.to(torch.bfloat16))
+    assert trainer.compute.model.embed.layers[0].weight is trainer.model.embed.layers[0].weight
+    state = trainer.optimizer.state[trainer.optimizer.param_groups[0]["params"][0]]
+    assert state["exp_avg"].dtype == torch.float32
+    assert all(p.grad is None for p in trainer.compute.params)
