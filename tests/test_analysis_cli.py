@@ -106,6 +106,11 @@ def test_ablate_json(env):
     model = txlm.load(env / "group" / "vanilla" / "best")
     assert model.config.attn_type == "alrfou" and model.config.mem_len == 0
     assert out["checkpoints"][3] == str(env / "group" / "vanilla" / "best")
+    # the saved runs feed `txlm recl` as they are; names come from the run folders
+    r = _txlm(env, "recl", *out["checkpoints"][:2], "--contexts", "4,8", "--targets", "10",
+              "--threads", "1", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["names"] == ["xl", "shaw"]
 
 
 @pytest.mark.parametrize(

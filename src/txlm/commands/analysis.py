@@ -243,7 +243,7 @@ def _run_recl(args: argparse.Namespace) -> int:
     from txlm.analysis import recl
 
     device = _setup(args)
-    names = args.names.split(",") if args.names else [Path(p).name for p in args.checkpoints]
+    names = args.names.split(",") if args.names else [_run_name(p) for p in args.checkpoints]
     if len(names) != len(args.checkpoints):
         raise ConfigError(f"{len(names)} --names for {len(args.checkpoints)} checkpoints")
     if len(set(names)) != len(names):
@@ -295,6 +295,12 @@ def _run_recl(args: argparse.Namespace) -> int:
         payload["figures"] = [str(f) for f in figures]
     _emit(args, payload, recl.format_table(result))
     return 0
+
+
+def _run_name(path: str) -> str:
+    """A model's name from its checkpoint path: RUN for RUN/best or RUN/last."""
+    p = Path(path)
+    return p.parent.name if p.name in ("best", "last") and p.parent.name else p.name
 
 
 # -- ablate -----------------------------------------------------------------------------------
