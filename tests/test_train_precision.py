@@ -70,12 +70,12 @@ def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
     # rounds each weight to the same bf16 value the copy holds.
     b = batches[0]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ref = initial(b.input_ids, labels=b.labels).loss.float().sum().detach()
+        ref = initial(b.input_ids, labels=b.labels).losses.float().sum().detach()
     assert loss == ref.double().item() / int((b.labels != -100).sum())
 
     # the old way: autocast over fp32 weights
     with WeightCasts(initial) as plain, torch.autocast("cpu", dtype=torch.bfloat16):
-        initial(b.input_ids, labels=b.labels).loss.float().sum().backward()
+        initial(b.input_ids, labels=b.labels).losses.float().sum().backward()
     assert plain.casts >= trainer.model_config.n_layer * 4  # every weight use casts
 
     with WeightCasts(*trainer.compute.params, *trainer.compute.master_params) as step:

@@ -92,16 +92,6 @@ class Segment:
 Step = Callable[[Tensor, Tensor | None, list[Tensor] | None, Tensor | None], Any]
 
 
-@contextlib.contextmanager
-def _lengths(model: TransformerXL, **lengths: Any) -> Iterator[None]:
-    saved = model.config
-    model.set_lengths(**lengths)
-    try:
-        yield
-    finally:
-        model.config = saved
-
-
 @torch.no_grad()
 def stream_segments(
     model: TransformerXL,
@@ -140,7 +130,7 @@ def stream_segments(
         inputs, labels, counts = stream[None], None, None
     was_training = model.training
     lengths = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-    with _lengths(model, **lengths):
+    with model.lengths(**lengths):
         model.eval()
         try:
             seg_len = model.config.tgt_len
@@ -234,7 +224,7 @@ def evaluate_tokens(
     start = time.perf_counter()
     try:
         for seg in segments:
-            loss = seg.out.loss.double().sum()
+            loss = seg.out.losses.double().sum()
             total_loss = loss if total_loss is None else total_loss + loss
             count += seg.tokens
             n_segments += 1

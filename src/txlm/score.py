@@ -75,7 +75,7 @@ def score(
     )  # fmt: skip
     for seg in segments:
         width = seg.input_ids.size(1)
-        out[seg.start : seg.start + width] = -seg.out.loss[0].float().cpu()
+        out[seg.start : seg.start + width] = -seg.out.losses[0].float().cpu()
         if bar is not None:
             bar.update(width)
     if bar is not None:

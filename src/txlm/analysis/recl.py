@@ -192,13 +192,11 @@ def token_losses(
     """[C, T] losses l(c, t) (nats): target t scored from exactly the c tokens before it."""
     ids = torch.as_tensor(stream, dtype=torch.long).flatten()
     model.eval()
-    original = model.config
     device = next(model.parameters()).device
     out = np.zeros((len(contexts), len(targets)), dtype=np.float64)
     tgt = torch.as_tensor(targets, dtype=torch.long)
-    try:
-        # No memory is used or kept: a single window is the whole context.
-        model.set_lengths(mem_len=0, same_length=False)
+    # No memory is used or kept: a single window is the whole context.
+    with model.lengths(mem_len=0, same_length=False):
         for k, c in enumerate(contexts):
             offsets = torch.arange(-c, 0)
             for s in range(0, len(tgt), batch_size):
@@ -209,8 +207,6 @@ def token_losses(
                 out[k, s : s + len(t)] = nll.double().cpu().numpy()
                 if progress:
                     progress(int(t.numel()) * c)
-    finally:
-        model.config = original
     return out
 
 

@@ -104,7 +104,7 @@ def time_xl(model: TransformerXL, stream: Tensor, attn_len: int, tgt_len: int, n
             _sync(device)
             t0 = time.perf_counter()
             seg = next(segments)
-            seg.out.loss.sum().item()  # forces the work (and a device sync) like a real evaluation
+            seg.out.loss.item()  # forces the work (and a device sync) like a real evaluation
             _sync(device)
             if s >= warm:
                 elapsed += time.perf_counter() - t0

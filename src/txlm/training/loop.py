@@ -47,6 +47,7 @@ from torch import Tensor
 from txlm import checkpoint
 from txlm import distributed as dist
 from txlm.config import ModelConfig
+from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
 from txlm.evaluate import autocast, evaluate_tokens, metric_value
 from txlm.model import TransformerXL
@@ -61,17 +62,6 @@ from txlm.training.signals import StopSignals
 from txlm.training.state import Counters, Memory
 
 RESULTS_FILE = "results.json"
-
-
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """``run.device`` as a torch device; ``auto`` and ``cuda`` take this rank's GPU."""
-    if name == "auto":
-        name = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    elif name == "cuda" and torch.cuda.is_available():
-        name = f"cuda:{local_rank}"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("run.device asks for CUDA but no GPU is available")
-    return torch.device(name)
 
 
 def compile_wanted(setting: bool | str, device: torch.device) -> bool:
@@ -109,12 +99,11 @@ class Trainer:
         self.signals = StopSignals()
 
         # Process group, device, threads, determinism.
-        probe = pick_device(r.device, int(os.environ.get("LOCAL_RANK", "0")))
+        probe = resolve_device(r.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist.init(probe.type)
-        self.device = pick_device(r.device, self.dist.local_rank)
+        self.device = resolve_device(r.device, local_rank=self.dist.local_rank)
         self.echo = echo and self.dist.is_main
-        if r.precision == "fp16" and self.device.type != "cuda":
-            raise ConfigError("run.precision=fp16 needs a GPU (GradScaler); use bf16 on CPU")
+        check_precision(r.precision, self.device)  # fp16's GradScaler: GPUs only
         if r.threads is not None:
             torch.set_num_threads(r.threads)
         if r.deterministic:
@@ -298,7 +287,7 @@ class Trainer:
                         labels=labels[rows],
                         mem_mask=mask,
                     )
-                    loss = out.loss.float().sum()
+                    loss = out.losses.float().sum()
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach().to(self.device, torch.float64)
             parts.append((out.mems, out.mem_mask))

@@ -29,5 +29,7 @@ def sample_text(
         ids, prompt = [], ""
     start = start_token(vocab)
     start_id = None if ids else (start if start is not None else 0)
-    new = generate(model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id)
+    (new,) = generate(
+        model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id
+    )
     return vocab.decode(ids + list(new))
