@@ -2,7 +2,7 @@
 
 txlm train [--preset P] [--config F.yaml ...] [--set key=value ...] [--out DIR]
 txlm train --resume runs/x/last [--set optim.max_steps=N ...]
-torchrun --nproc_per_node 2 -m txlm train --preset debug ...
+torchrun --standalone --nproc_per_node N -m txlm train ...   (N GPUs, or N CPU processes)
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "train",
         help="train a model (default: shakespeare-char on the bundled corpus)",
         description="Train, validate, checkpoint (out/last, out/best), then evaluate on test "
-        "and print a sample. Configuration: preset -> --config YAML files -> --set overrides.",
+        "and print a sample. Configuration: preset -> --config YAML files -> --set overrides. "
+        "Metrics go to out/metrics.jsonl and, with the tensorboard package, to "
+        "out/tensorboard (tensorboard --logdir OUT/tensorboard). Several processes: "
+        "torchrun --standalone --nproc_per_node N -m txlm train ... (data.batch_size is global).",
     )
     p.add_argument(
         "--preset", default=None, help="model + training preset (default shakespeare-char)"
