@@ -125,7 +125,8 @@ def stream_segments(
                              else tokens).long().view(-1)  # fmt: skip
     if predict:
         inputs, labels = stream_rows(stream, batch_size)
-        counts = (labels != -100).sum(dim=0).cumsum(0)
+        # labelled positions up to each column, read once: no device sync per segment
+        counts = (labels != -100).sum(dim=0).cumsum(0).tolist()
     else:
         inputs, labels, counts = stream[None], None, None
     was_training = model.training
@@ -150,7 +151,7 @@ def stream_segments(
                 with autocast(device, precision):
                     out = step(ids, lab, mems, mem_mask)
                 mems, mem_mask = out.mems, out.mem_mask
-                seen = 0 if counts is None else int(counts[hi - 1])
+                seen = 0 if counts is None else counts[hi - 1]
                 yield Segment(index, lo, ids, lab, seen - done, out)
                 done = seen
         finally:
