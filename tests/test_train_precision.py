@@ -98,3 +98,41 @@ def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
     state = trainer.optimizer.state[trainer.optimizer.param_groups[0]["params"][0]]
     assert state["exp_avg"].dtype == torch.float32
     assert all(p.grad is None for p in trainer.compute.params)
+
+
+def test_bf16_run_resumes_exactly(tmp_path):
+    """The copies are a function of the master: `last` needs nothing more, and a bf16 run
+    stopped and resumed equals one that ran straight through."""
+    from txlm.train import Trainer
+    from txlm.train_config import resolve
+
+    text = tiny_text(tmp_path, n_chars=6000)
+
+    def run(out, *sets, resume=None):
+        config = resolve(
+            "debug",
+            None,
+            [
+                f"data.dataset=text:{text}",
+                f"data.data_dir={tmp_path / 'data'}",
+                "model.dropout=0.2",
+                "optim.max_steps=4",
+                "eval.eval_interval=0",
+                "eval.final_eval=false",
+                "eval.max_eval_steps=1",
+                "run.precision=bf16",
+                "run.tensorboard=false",
+                "run.progress=false",
+                *sets,
+            ],
+        )
+        trainer = Trainer(config, tmp_path / out, resume=resume, echo=False)
+        trainer.fit()
+        return trainer
+
+    straight = run("straight")
+    run("paused", "run.stop_at=2")
+    resumed = run("resumed", resume=tmp_path / "paused" / "last")
+    want = straight.model.state_dict()
+    for name, value in resumed.model.state_dict().items():
+        assert torch.equal(value, want[name]), name
