@@ -48,7 +48,7 @@ import torch
 
 from txlm.config import PRESETS, ModelConfig
 from txlm.errors import ConfigError
-from txlm.evaluate import evaluate_tokens, metric_value
+from txlm.evaluate import evaluate_tokens
 from txlm.train_config import TrainConfig
 
 # Shapes for this analysis. "small": the default, about 30 minutes for the four models on
@@ -166,7 +166,7 @@ class AblationRow:
 @dataclass
 class AblationResult:
     rows: list[AblationRow]
-    metric: str  # "bpc" or "ppl"
+    metric: str  # "bpc", "bpb" or "ppl"
     settings: dict[str, Any]
     dataset: str
     seconds: float
@@ -298,7 +298,7 @@ def run_ablation(
     tgt = s["tgt_len"]
     corpus = _corpus(dataset, data_dir, level)
     valid = np.asarray(corpus.split("valid")[: s["eval_tokens"] + 1])
-    metric = corpus.metric if corpus.metric in ("bpc", "ppl") else "ppl"
+    metric = corpus.metric  # bpc, bpb or ppl, as txlm train reports it
     rows = []
     with tempfile.TemporaryDirectory(prefix="txlm-ablate-") as scratch:
         runs = Path(save_dir) if save_dir is not None else Path(scratch)
@@ -330,10 +330,10 @@ def run_ablation(
                     loss="half" if v.half_loss else "full",
                     params=model.num_parameters(),
                     train_loss=train_loss,
-                    init=metric_value(init, metric),
-                    best=metric_value(best, metric),
+                    init=corpus.metric_value(init, "valid"),
+                    best=corpus.metric_value(best, "valid"),
                     best_attn_len=best_len,
-                    by_attn_len={k: metric_value(x, metric) for k, x in by_len.items()},
+                    by_attn_len={k: corpus.metric_value(x, "valid") for k, x in by_len.items()},
                     train_seconds=seconds,
                 )
             )

@@ -74,7 +74,7 @@ def save_run(t: Trainer, kind: str) -> None:
     checkpoint.save(
         t.model,
         t.out / kind,
-        vocab_json=t.vocab.to_json(),
+        vocab=t.vocab,  # every file the vocabulary needs (a bpe tokenizer.json too)
         extra_config=extra_config(t, kind),
         extra_files=fill,
     )

@@ -49,7 +49,7 @@ from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
-from txlm.evaluate import autocast, evaluate_tokens, metric_value
+from txlm.evaluate import autocast, evaluate_tokens
 from txlm.model import TransformerXL
 from txlm.train_config import TrainConfig
 from txlm.training.checkpointing import TrainingError, load_run, save_run
@@ -373,6 +373,7 @@ class Trainer:
             max_steps=None if full else e.max_eval_steps,
             precision=self.config.run.precision,
             metric=self.metric,
+            tokens_per_byte=self.corpus.tokens_per_byte(split),
             progress=self.echo and self.config.run.progress and sys.stderr.isatty(),
             desc=split,
         )
@@ -412,6 +413,7 @@ class Trainer:
             total=o.max_steps,
             initial=self.step,
             metric=self.metric,
+            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
             interval=r.progress_interval,
         )
         self.signals.install()
@@ -442,7 +444,7 @@ class Trainer:
                             "split": "train",
                             "step": self.step,
                             "loss": loss,
-                            self.metric: metric_value(loss, self.metric),
+                            self.metric: self.corpus.metric_value(loss, "train"),
                             "lr": stats["lr"],
                             "grad_norm": stats["grad_norm"],
                             "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -111,11 +112,14 @@ class ProgressReport:
         initial: int,
         metric: str,
         interval: int,
+        to_metric: Callable[[float], float] | None = None,
         stream: TextIO | None = None,
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
         self.metric = metric
+        # loss (nats per token) -> the metric; bits per byte need the corpus's bytes per token
+        self.to_metric = to_metric or (lambda loss: metric_value(loss, metric))
         self.interval = interval
         self.total = total
         self.bar = None
@@ -145,7 +149,7 @@ class ProgressReport:
         self.seconds += seconds
         mean = self.loss_sum / max(self.tokens, 1.0)
         tok_s = self.tokens / max(self.seconds, 1e-9)
-        value = metric_value(mean, self.metric) if math.isfinite(mean) else mean
+        value = self.to_metric(mean) if math.isfinite(mean) else mean
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(
