@@ -106,6 +106,7 @@ def stream_segments(
     max_segments: int | None = None,
     precision: str = "fp32",
     kv_cache: bool = False,
+    compile: bool = False,
     step: Step | None = None,
 ) -> Iterator[Segment]:
     """Read a 1-D token stream through ``model`` segment by segment, memory carried.
@@ -118,6 +119,8 @@ def stream_segments(
     The lengths override the model's for the duration (``mem_len`` may exceed training's);
     the model runs in eval mode; both are restored when the iteration ends or is closed.
     ``kv_cache``: keep the memory's projected keys and values (``CachedEvaluator``).
+    ``compile``: run the segments under ``torch.compile`` (static shapes: the first segment,
+    without memory, and a shorter last one add a graph).
     ``step``: a replacement for the model call (e.g. one that also collects attention).
     """
     device = next(model.parameters()).device
@@ -139,7 +142,7 @@ def stream_segments(
             if max_segments is not None:
                 n_segments = min(n_segments, max_segments)
             if step is None:
-                step = _model_step(model, kv_cache)
+                step = _model_step(model, kv_cache, compile)
             mems: list[Tensor] | None = None
             mem_mask: Tensor | None = None
             done = 0
@@ -158,12 +161,13 @@ def stream_segments(
             model.train(was_training)
 
 
-def _model_step(model: TransformerXL, kv_cache: bool) -> Step:
+def _model_step(model: TransformerXL, kv_cache: bool, compile: bool) -> Step:
     """The model call of ``stream_segments``: a plain forward, or the key/value cache."""
     if kv_cache:
-        runner = CachedEvaluator(model)
+        runner = CachedEvaluator(model, compile=compile)
         return lambda ids, labels, mems, mem_mask: runner(ids, labels=labels)
-    return lambda ids, labels, mems, mem_mask: model(
+    forward = torch.compile(model, dynamic=False) if compile else model
+    return lambda ids, labels, mems, mem_mask: forward(
         ids, mems=mems, labels=labels, mem_mask=mem_mask
     )
 
@@ -184,6 +188,7 @@ def evaluate_tokens(
     progress: bool = False,
     desc: str = "eval",
     kv_cache: bool = False,
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Mean next-token loss over a stream, memory carried across segments.
 
@@ -193,7 +198,7 @@ def evaluate_tokens(
     ``max_steps`` caps the number of segments (a quick validation); memory still starts
     empty only once per row. ``kv_cache`` keeps the memory's projected keys and values between
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
-    rounding, faster with long memory).
+    rounding, faster with long memory). ``compile``: see ``stream_segments``.
     """
     used = model.config.replace(
         **{
@@ -207,7 +212,7 @@ def evaluate_tokens(
     segments = stream_segments(
         model, tokens, batch_size=batch_size, tgt_len=tgt_len, mem_len=mem_len,
         clamp_len=clamp_len, same_length=same_length, max_segments=max_steps,
-        precision=precision, kv_cache=kv_cache,
+        precision=precision, kv_cache=kv_cache, compile=compile,
     )  # fmt: skip
     bar = None
     if progress:
