@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/bench_hf_baseline.py [--rounds 7] [--threads 2]
 
-DESIGN.md's CPU config: 4 layers, d_model 256, 8 heads x 32, d_inner 1024, a full softmax
+The project's CPU anchor config: 4 layers, d_model 256, 8 heads x 32, d_inner 1024, a full softmax
 over a 10,000-word vocabulary (no cutoffs: the PTB-sized vocabulary, where the softmax is
 ~40% of the FLOPs), batch 8 x tgt_len 128, mem_len 128, fp32, dropout 0.1, dropatt 0.
 

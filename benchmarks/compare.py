@@ -80,7 +80,7 @@ class Shape:
 
 
 SHAPES = {
-    # DESIGN.md's CPU anchor config (the original code ~1.7k tokens/s training on 2 cores).
+    # The project's CPU anchor config (the original code ~1.7k tokens/s training on 2 cores).
     "cpu": Shape("cpu", n_layer=4, d_model=256, n_head=8, d_head=32, d_inner=1024),
     # enwik8-base's layer shape (Table 2: 512, 8x64, 2048) with 4 of its 12 layers.
     "d512": Shape("d512", n_layer=4, d_model=512, n_head=8, d_head=64, d_inner=2048),

@@ -1,4 +1,4 @@
-"""DESIGN.md contracts 1-7 and 10: memory, mask, rel shift, segment equivalence, causality,
+"""ARCHITECTURE.md contracts C1-C7 and C10: memory, mask, rel shift, segment equivalence, causality,
 per-row reset, in-order adaptive losses — plus gradient flow.
 
 All in float64 so that equalities that hold mathematically hold to 1e-10 here.

@@ -1,4 +1,4 @@
-"""Parity with the reference implementation (DESIGN contract 11).
+"""Parity with the reference implementation (ARCHITECTURE.md, C11).
 
 Random-weight ``transformers.TransfoXLLMHeadModel`` (4.37.2) models are saved with
 ``save_pretrained``, converted with ``txlm convert`` (the function, and once the CLI in a
@@ -254,7 +254,7 @@ def test_loss_parity(tmp_path: Path, case: str) -> None:
         hf_losses = h.losses.view(B, L - 1)
     assert (hf_losses - nll[:, : L - 1]).abs().max() < TOL
     assert hf_losses[2, 3] == 0.0
-    # DESIGN contract 10: HF's default returns adaptive-softmax losses grouped by cluster;
+    # ARCHITECTURE.md C10: HF's default returns adaptive-softmax losses grouped by cluster;
     # the same values, in another order. txlm's come in input order without asking.
     assert torch.allclose(unordered.sort().values, hf_losses.view(-1).sort().values, atol=TOL)
     if model.config.cutoffs:

@@ -1,7 +1,7 @@
 """Bad and hostile input through the command line: a table of cases over every subcommand.
 
 Each case builds a working directory from good assets, breaks one thing, runs
-``python -m txlm ARGS`` there and asserts the contract of DESIGN "Command line":
+``python -m txlm ARGS`` there and asserts ARCHITECTURE.md contract C24:
 
 * exit code 2;
 * stderr is exactly one line, ``txlm: error: ...``, naming the problem (a needle per case);

@@ -2,7 +2,7 @@
 
 The data tests check chosen cases; these draw random corpora, batch sizes, segment lengths,
 world sizes and resume points, and check the invariants Transformer-XL's recurrence relies on
-(DESIGN contract 8) for every draw. Tokens are ``arange(N)`` so that a token's value is its
+(ARCHITECTURE.md, C8) for every draw. Tokens are ``arange(N)`` so that a token's value is its
 position: any misplaced, repeated or skipped token shows as a wrong number.
 """
 

@@ -3,7 +3,7 @@
 Legend: B batch, L segment (query) length, M memory length, K = M + L keys.
 Key j < M is a memory position, key M + t is current token t; query i sits at key index M + i.
 
-Three rules combine (seed 002, "Causal Mask With Memory"; DESIGN contracts 2 and 7):
+Three rules combine (ARCHITECTURE.md contracts C2 and C7):
 - causal and rectangular: query i sees every memory key and current keys up to itself;
 - same_length (optional): query i sees only the mem_len most recent keys ending at itself;
 - documents: a token that starts a new document, and every later token of its row, sees
