@@ -34,6 +34,15 @@ def tiny_text(directory: Path, n_chars: int = 24000) -> Path:
     return path
 
 
+def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
+    """The debug preset on ``tiny_text``'s corpus, with ``--set``-style overrides."""
+    from txlm.train_config import resolve
+
+    text = tiny_text(directory, n_chars=n_chars)
+    base = [f"data.dataset=text:{text}", f"data.data_dir={directory / 'data'}"]
+    return resolve("debug", None, [*base, *overrides])
+
+
 def env(data_dir: Path) -> dict[str, str]:
     e = dict(os.environ)
     e["TXLM_DATA_DIR"] = str(data_dir)

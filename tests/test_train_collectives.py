@@ -16,28 +16,21 @@ import os
 import pytest
 import torch
 
-from _train_helpers import tiny_text
+from _train_helpers import tiny_config
 from txlm import distributed as dist
 
 
 @pytest.fixture
 def trainer(tmp_path, monkeypatch):
     from txlm.train import Trainer
-    from txlm.train_config import resolve
 
-    text = tiny_text(tmp_path, n_chars=6000)
-    config = resolve(
-        "debug",
-        None,
-        [
-            f"data.dataset=text:{text}",
-            f"data.data_dir={tmp_path / 'data'}",
-            "model.dropout=0.1",
-            "optim.grad_accum=2",
-            "run.tensorboard=false",
-            "run.progress=false",
-            "run.time_budget_s=1000",
-        ],
+    config = tiny_config(
+        tmp_path,
+        "model.dropout=0.1",
+        "optim.grad_accum=2",
+        "run.tensorboard=false",
+        "run.progress=false",
+        "run.time_budget_s=1000",
     )
     return Trainer(config, tmp_path / "run", echo=False)
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from _train_helpers import tiny_text
+from _train_helpers import tiny_config
 from txlm.training.loop import compile_wanted
 
 
@@ -25,7 +25,6 @@ def test_compiling_is_not_charged_to_the_time_budget(tmp_path, monkeypatch):
     """A backend that takes 1.5 s per graph, a budget of 1 s: before, the first compiling
     step spent the budget and the run "finished" after 1 step; now all 6 steps run."""
     from txlm.train import Trainer
-    from txlm.train_config import resolve
 
     def slow_backend(gm, example_inputs):
         time.sleep(1.5)  # stands in for inductor's minutes
@@ -33,21 +32,15 @@ def test_compiling_is_not_charged_to_the_time_budget(tmp_path, monkeypatch):
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=slow_backend))
-    text = tiny_text(tmp_path, n_chars=6000)
-    config = resolve(
-        "debug",
-        None,
-        [
-            f"data.dataset=text:{text}",
-            f"data.data_dir={tmp_path / 'data'}",
-            "optim.max_steps=6",
-            "eval.eval_interval=0",
-            "eval.final_eval=false",
-            "run.compile=true",
-            "run.time_budget_s=1.0",
-            "run.tensorboard=false",
-            "run.progress=false",
-        ],
+    config = tiny_config(
+        tmp_path,
+        "optim.max_steps=6",
+        "eval.eval_interval=0",
+        "eval.final_eval=false",
+        "run.compile=true",
+        "run.time_budget_s=1.0",
+        "run.tensorboard=false",
+        "run.progress=false",
     )
     out = tmp_path / "run"
     summary = Trainer(config, out, echo=False).fit()

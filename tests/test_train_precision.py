@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _train_helpers import tiny_text
+from _train_helpers import tiny_config, tiny_text
 
 
 class WeightCasts(TorchDispatchMode):
@@ -41,20 +41,13 @@ class WeightCasts(TorchDispatchMode):
 @pytest.fixture
 def trainer(tmp_path):
     from txlm.train import Trainer
-    from txlm.train_config import resolve
 
-    text = tiny_text(tmp_path, n_chars=6000)
-    config = resolve(
-        "debug",
-        None,
-        [
-            f"data.dataset=text:{text}",
-            f"data.data_dir={tmp_path / 'data'}",
-            "model.dropout=0.0",
-            "run.precision=bf16",
-            "run.tensorboard=false",
-            "run.progress=false",
-        ],
+    config = tiny_config(
+        tmp_path,
+        "model.dropout=0.0",
+        "run.precision=bf16",
+        "run.tensorboard=false",
+        "run.progress=false",
     )
     return Trainer(config, tmp_path / "run", echo=False)
 

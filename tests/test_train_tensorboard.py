@@ -7,30 +7,23 @@ import json
 
 import pytest
 
-from _train_helpers import tiny_text
+from _train_helpers import tiny_config
 
 
 def test_a_short_run_writes_scalars_tensorboard_reads(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from txlm.train import Trainer
-    from txlm.train_config import resolve
 
-    text = tiny_text(tmp_path, n_chars=6000)
-    config = resolve(
-        "debug",
-        None,
-        [
-            f"data.dataset=text:{text}",
-            f"data.data_dir={tmp_path / 'data'}",
-            "optim.max_steps=4",
-            "eval.eval_interval=2",
-            "eval.max_eval_steps=1",
-            "eval.final_eval=false",
-            "run.log_interval=1",
-            "run.progress=false",
-            "run.tensorboard=true",
-        ],
+    config = tiny_config(
+        tmp_path,
+        "optim.max_steps=4",
+        "eval.eval_interval=2",
+        "eval.max_eval_steps=1",
+        "eval.final_eval=false",
+        "run.log_interval=1",
+        "run.progress=false",
+        "run.tensorboard=true",
     )
     out = tmp_path / "run"
     Trainer(config, out, echo=False).fit()

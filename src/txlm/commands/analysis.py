@@ -17,7 +17,8 @@ import json
 import sys
 from pathlib import Path
 
-from txlm.devices import DEVICE_HELP, resolve_device
+from txlm.commands.options import add_device_options
+from txlm.devices import resolve_device
 from txlm.errors import CheckpointError, ConfigError, DataError
 
 
@@ -67,8 +68,7 @@ def _head(text: str) -> tuple[int, int]:
 def _add_output(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out-dir", default=None, help="write the PNG figures (and result.json) here")
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_options(p)
 
 
 def _add_text(p: argparse.ArgumentParser) -> None:

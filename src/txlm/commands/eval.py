@@ -13,7 +13,8 @@ import json
 import sys
 
 from txlm.commands import eval_file
-from txlm.devices import DEVICE_HELP, check_precision, resolve_device
+from txlm.commands.options import add_device_options
+from txlm.devices import check_precision, resolve_device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -47,14 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
     )
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="autocast for the matmuls (fp16: GPU only); default fp32",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    add_device_options(p, precision=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--kv-cache", action="store_true",

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from txlm.checkpoint import load
-from txlm.devices import DEVICE_HELP, check_precision, resolve_device
+from txlm.commands.options import add_device_options
+from txlm.devices import check_precision, resolve_device
 from txlm.errors import CheckpointError, ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import SamplingConfig, stream
@@ -62,14 +63,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--clamp-len", type=int, default=None, metavar="N", help="clamp relative distances"
     )
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
-    p.add_argument(
-        "--precision",
-        default="fp32",
-        choices=["fp32", "bf16", "fp16"],
-        help="autocast for the matmuls (fp16: GPU only); default fp32",
-    )
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    add_device_options(p, precision=True)
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
     p.add_argument(
         "--stop-at-eos",
