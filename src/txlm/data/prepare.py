@@ -168,7 +168,9 @@ def _parse_name(name: str) -> tuple[str, Path | None]:
         return "text", Path(raw).expanduser()
     if name not in SPECS or name == "text":
         known = ", ".join(n for n in SPECS if n != "text")
-        raise DataError(f"unknown dataset {name!r}; choose one of {known}, or text:PATH")
+        raise DataError(
+            f"unknown dataset {name!r}; choose one of {known}, text:PATH or recall[:k=v,...]"
+        )
     return name, None
 
 
@@ -262,6 +264,12 @@ def prepare_dataset(
     ``max_vocab`` bound word vocabularies built from train (not lm1b's own; rarer words
     become ``<unk>``; ``max_vocab=0``: no cap), ``vocab_size`` is the bpe level's target size.
     """
+    from txlm.data import recall
+
+    if recall.is_recall(name):  # generated, not read: its own writer (same layout)
+        if level not in (None, "char"):
+            raise DataError(f"recall is a character-level task, not {level!r}")
+        return recall.prepare_recall(name, data_dir, force=force)
     kind, user_path = _parse_name(name)
     spec = SPECS[kind]
     level = level or spec.default_level
