@@ -299,6 +299,28 @@ PRESETS: dict[str, Preset] = {
             run=dict(log_interval=10, time_budget_s=600.0),
         ),
     ),
+    "recall": Preset(
+        source="this project's memory benchmark (txlm bench memory): a few minutes on 2 CPU cores",
+        model=dict(
+            vocab_size=256,
+            n_layer=2,
+            d_model=64,
+            n_head=4,
+            d_head=16,
+            d_inner=256,
+            tgt_len=32,
+            mem_len=32,
+            dropout=0.0,
+        ),
+        dataset="recall",
+        note="the synthetic copy task of txlm.data.recall",
+        train=dict(
+            data=dict(batch_size=16),
+            optim=dict(lr=2e-3, warmup_steps=100, max_steps=5000),
+            eval=dict(eval_interval=0, max_eval_steps=50, batch_size=8, sample_tokens=0),
+            run=dict(log_interval=50),
+        ),
+    ),
     "enwik8-base": Preset(
         source="paper Table 2 (12L); original run_enwik8_base.sh",
         model=dict(
