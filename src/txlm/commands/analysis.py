@@ -1,6 +1,8 @@
 """The paper's analysis tools on the command line.
 
     txlm bench eval-speed   Table 9: per-token evaluation time, Transformer-XL vs vanilla
+    txlm bench memory       does the memory work? Table 6's variants on the recall task,
+                            copy accuracy against distance at 1x, 2x, 4x training memory
     txlm recl               Appendix C: relative effective context length of a model group
     txlm attention          Appendix D: attention over relative distance, per head and term
     txlm ablate             Table 6 on data we have: encodings x recurrence, equal budget
@@ -338,14 +340,106 @@ def _run_ablate(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- registration -----------------------------------------------------------------------------
-def register(subparsers: argparse._SubParsersAction) -> None:
-    bench = subparsers.add_parser(
-        "bench",
-        help="evaluation speed, Transformer-XL vs vanilla Transformer (paper Table 9)",
-        description="Benchmarks of the paper. eval-speed: Table 9.",
+# -- bench memory -----------------------------------------------------------------------------
+def _run_memory(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from txlm.analysis import memory
+
+    _setup(args)
+    settings = memory.MemoryBenchSettings(
+        dataset=args.task,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        tgt_len=args.tgt_len,
+        mem_len=args.mem_len,
+        eval_multiples=tuple(args.eval_multiples),
+        eval_tokens=args.eval_tokens,
+        seed=args.seed,
+        only=tuple(args.variants.split(",")) if args.variants else (),
+        sets=tuple(args.sets),
     )
-    bench.add_argument("what", choices=["eval-speed"], help="which benchmark")
+    out = _out_dir(args)
+    with tempfile.TemporaryDirectory(prefix="txlm-memory-") as scratch:
+        runs = Path(args.runs_dir) if args.runs_dir else Path(scratch)
+        result = memory.run_memory_bench(
+            settings, runs, data_dir=args.data_dir, device=args.device, log=_log(args)
+        )
+    payload = {"command": "bench memory", **result.to_dict()}
+    if not args.runs_dir:  # the checkpoints lived in a temporary folder
+        for v in payload["variants"]:
+            v["checkpoint"] = None
+    if out is not None:
+        figure = out / "memory_accuracy_by_distance.png"
+        memory.plot_memory(result, figure)
+        payload["figures"] = [str(figure)]
+    _emit(args, payload, memory.format_table(result))
+    return 0
+
+
+# -- registration -----------------------------------------------------------------------------
+def _register_memory(bench_sub: argparse._SubParsersAction) -> None:
+    mem = bench_sub.add_parser(
+        "memory",
+        help="does the memory work? Table 6's variants on the recall task",
+        description="Train the Table 6 variants (XL, Shaw + memory, XL without memory, "
+        "absolute positions with and without memory) on the recall copy task with txlm "
+        "train's trainer (preset recall), then measure copy accuracy and loss against the "
+        "distance back to the copied span, with 1x, 2x and 4x each model's training memory.",
+    )
+    mem.add_argument(
+        "--task",
+        default="recall",
+        help="recall dataset: recall or recall:key=value,... (see txlm prepare --help)",
+    )
+    mem.add_argument("--variants", default=None, help="comma-separated subset of the variants")
+    mem.add_argument("--steps", type=int, default=None, help="training steps per model (preset)")
+    mem.add_argument("--batch-size", type=int, default=None, help="training batch size")
+    mem.add_argument("--lr", type=float, default=None, help="peak learning rate")
+    mem.add_argument("--tgt-len", type=int, default=None, help="training segment length")
+    mem.add_argument("--mem-len", type=int, default=None, help="training memory length")
+    mem.add_argument(
+        "--eval-multiples",
+        type=_ints,
+        default=[1, 2, 4],
+        help="evaluation memories as multiples of the training memory (1,2,4)",
+    )
+    mem.add_argument("--eval-tokens", type=int, default=None, help="valid tokens scored (all)")
+    mem.add_argument("--seed", type=int, default=0)
+    mem.add_argument(
+        "--set",
+        dest="sets",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help="txlm train overrides for every variant, e.g. model.d_model=128",
+    )
+    mem.add_argument(
+        "--runs-dir", default=None, help="keep each variant's training run here (default: none)"
+    )
+    mem.add_argument("--data-dir", default=None, help="default: $TXLM_DATA_DIR or ./data")
+    _add_output(mem)
+    mem.set_defaults(func=_run_memory)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    bench_top = subparsers.add_parser(
+        "bench",
+        help="benchmarks: evaluation speed (paper Table 9), does the memory work",
+        description="Benchmarks. eval-speed: the paper's Table 9. memory: copy accuracy "
+        "against distance on the recall task.",
+    )
+    bench_sub = bench_top.add_subparsers(dest="what", metavar="WHAT", parser_class=type(bench_top))
+    bench_sub.required = True
+    bench = bench_sub.add_parser(
+        "eval-speed",
+        help="evaluation speed, Transformer-XL vs vanilla Transformer (paper Table 9)",
+        description="Table 9: per-token evaluation time of Transformer-XL with memory against "
+        "a vanilla Transformer evaluated the Al-Rfou way.",
+    )
+    _register_memory(bench_sub)
     source = bench.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", default=None, help="a checkpoint directory")
     source.add_argument(

@@ -1,0 +1,101 @@
+"""txlm bench memory: the variant group, the per-token hook it reads, and the command."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+import txlm
+from txlm.analysis.ablation import variants
+from txlm.analysis.memory import bench_variants, distance_bins, variant_config
+from txlm.evaluate import evaluate_tokens
+from txlm.train_config import preset_config
+
+TASK = (
+    "recall:alphabet=64,span=6,min_dist=6,max_dist=60,train_max_dist=30,"
+    "train=4000,valid=2000,test=2000"
+)
+
+
+def test_variants_are_table6s_plus_absolute_positions_with_memory():
+    group = bench_variants()
+    names = [v.name for v in group]
+    assert names == ["xl", "shaw", "xl-norec", "vanilla", "vanilla-mem"]
+    assert [v for v in group if v.name != "vanilla-mem"] == variants()
+    base = preset_config("recall")
+    configs = {v.name: variant_config(base, v).model for v in group}
+    assert configs["xl"]["mem_len"] == configs["shaw"]["mem_len"] == base.model["mem_len"] > 0
+    assert configs["xl-norec"]["mem_len"] == configs["vanilla"]["mem_len"] == 0
+    assert configs["vanilla-mem"]["attn_type"] == "alrfou"
+    assert configs["vanilla-mem"]["mem_len"] == base.model["mem_len"]
+    assert configs["shaw"]["n_positions"] == base.model["tgt_len"] + base.model["mem_len"]
+
+
+def test_distance_bins_cover_the_range_in_half_octaves():
+    bins = distance_bins(16, 256)
+    assert bins[0] == 16 and bins[-1] == 257
+    assert all(b > a for a, b in itertools.pairwise(bins))
+    assert all(b / a < 1.5 for a, b in itertools.pairwise(bins))
+
+
+def test_on_segment_sees_every_label_once_at_its_stream_index():
+    torch.manual_seed(0)
+    model = txlm.TransformerXL(txlm.ModelConfig.from_preset("debug")).eval()
+    tokens = np.random.default_rng(0).integers(0, 64, size=203)
+    rows, seen = 4, []
+    row_len = math.ceil((len(tokens) - 1) / rows)
+
+    def hook(lo, labels, out):
+        assert out.hidden.shape[:2] == labels.shape
+        for b, c in zip(*torch.nonzero(labels != -100, as_tuple=True), strict=True):
+            index = int(b) * row_len + lo + int(c) + 1
+            assert int(labels[b, c]) == tokens[index]
+            seen.append(index)
+
+    result = evaluate_tokens(model, tokens, batch_size=rows, on_segment=hook)
+    assert sorted(seen) == list(range(1, len(tokens))) and result["tokens"] == len(seen)
+
+
+def test_bench_memory_command(tmp_path):
+    env = {**os.environ, "TXLM_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [sys.executable, "-m", "txlm", "bench", "memory", "--task", TASK,
+         "--variants", "xl,vanilla", "--steps", "4", "--batch-size", "4", "--tgt-len", "8",
+         "--mem-len", "8", "--set", "model.d_model=32", "model.n_head=2", "model.d_head=16",
+         "model.d_inner=64", "--eval-multiples", "1,2", "--threads", "1",
+         "--runs-dir", str(tmp_path / "runs"), "--json", "--out-dir", str(out)],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    payload = json.loads(r.stdout)
+    assert [(p["variant"], p["eval_mem"]) for p in payload["profiles"]] == [
+        ("xl", 8),
+        ("xl", 16),
+        ("vanilla", 0),
+    ]
+    assert [v["train_mem"] for v in payload["variants"]] == [8, 0]
+    # each copy of the scored stream is in exactly one bucket, the same for every row
+    counts = {tuple(p["count"]) for p in payload["profiles"]}
+    assert len(counts) == 1 and sum(counts.pop()) > 300
+    for p in payload["profiles"]:
+        assert all(0.0 <= a <= 1.0 for a in p["accuracy"] if a is not None)
+        assert [a is None for a in p["accuracy"]] == [c == 0 for c in p["count"]]
+    assert os.path.isfile(payload["figures"][0])
+    assert json.loads((out / "result.json").read_text())["profiles"] == payload["profiles"]
+    ckpt = payload["variants"][0]["checkpoint"]
+    assert txlm.load(ckpt).config.mem_len == 8
+    assert payload["settings"]["train"]["optim"]["max_steps"] == 4
+
+    bad = subprocess.run(
+        [sys.executable, "-m", "txlm", "bench", "memory", "--task", TASK, "--variants", "lstm"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("txlm: error: unknown variant")
