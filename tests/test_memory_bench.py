@@ -67,7 +67,7 @@ def test_bench_memory_command(tmp_path):
     env = {**os.environ, "TXLM_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "out"
     r = subprocess.run(
-        [sys.executable, "-m", "txlm", "bench", "memory", "--task", TASK,
+        [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK,
          "--variants", "xl,vanilla", "--steps", "4", "--batch-size", "4", "--tgt-len", "8",
          "--mem-len", "8", "--set", "model.d_model=32", "model.n_head=2", "model.d_head=16",
          "model.d_inner=64", "--eval-multiples", "1,2", "--threads", "1",
@@ -95,7 +95,7 @@ def test_bench_memory_command(tmp_path):
     assert payload["settings"]["train"]["optim"]["max_steps"] == 4
 
     bad = subprocess.run(
-        [sys.executable, "-m", "txlm", "bench", "memory", "--task", TASK, "--variants", "lstm"],
+        [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK, "--variants", "lstm"],
         capture_output=True, text=True, timeout=120, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("txlm: error: unknown variant")

@@ -87,10 +87,10 @@ def test_span_lengths_fixed_by_default_and_varied_on_request():
     fixed = _runs(generate(RecallSpec(alphabet=40, span=8, min_dist=8, max_dist=60), 5000,
                            np.random.default_rng(0))[1])  # fmt: skip
     # one length: every copy has span - 1 flagged tokens and lies a multiple of span back
-    assert {n for _, n in fixed} == {7} and {d % 8 for d, _ in fixed} == {0}
+    assert {n for _, n in fixed[:-1]} == {7} and {d % 8 for d, _ in fixed} == {0}
     spec = RecallSpec(alphabet=40, span=8, min_span=3, min_dist=8, max_dist=60)
     varied = _runs(generate(spec, 5000, np.random.default_rng(0))[1])
-    assert {n for _, n in varied} == set(range(2, 8))
+    assert {n for _, n in varied[:-1]} == set(range(2, 8))  # the last may be cut short
     assert len({d % 8 for d, _ in varied}) == 8
 
 

@@ -346,9 +346,9 @@ def _run_memory(args: argparse.Namespace) -> int:
 
     from txlm.analysis import memory
 
-    _setup(args)
+    device = _setup(args)
     settings = memory.MemoryBenchSettings(
-        dataset=args.task,
+        dataset=args.dataset,
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -364,7 +364,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="txlm-memory-") as scratch:
         runs = Path(args.runs_dir) if args.runs_dir else Path(scratch)
         result = memory.run_memory_bench(
-            settings, runs, data_dir=args.data_dir, device=args.device, log=_log(args)
+            settings, runs, data_dir=args.data_dir, device=str(device), log=_log(args)
         )
     payload = {"command": "bench memory", **result.to_dict()}
     if not args.runs_dir:  # the checkpoints lived in a temporary folder
@@ -389,7 +389,7 @@ def _register_memory(bench_sub: argparse._SubParsersAction) -> None:
         "distance back to the copied span, with 1x, 2x and 4x each model's training memory.",
     )
     mem.add_argument(
-        "--task",
+        "--dataset",
         default="recall",
         help="recall dataset: recall or recall:key=value,... (see txlm prepare --help)",
     )
