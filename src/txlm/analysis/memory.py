@@ -392,13 +392,18 @@ def plot_memory(res: MemoryBenchResult, path) -> None:
             color=colors[p.variant],
             label=f"{p.variant}, memory {p.eval_mem}",
         )
+    marks: dict[int, str] = {}
     for x, text in ((res.tgt_len, "L"), (res.mem_len, "M"), (2 * res.mem_len, "2M"),
                     (4 * res.mem_len, "4M")):  # fmt: skip
         if x > 0:
-            ax.axvline(x, color="grey", lw=0.6, ls=":")
-            ax.text(x, 1.02, text, ha="center", fontsize=8, color="grey")
+            marks[x] = f"{marks[x]}={text}" if x in marks else text
+    for x, text in marks.items():
+        ax.axvline(x, color="grey", lw=0.6, ls=":")
+        ax.text(x, 1.02, text, ha="center", fontsize=8, color="grey")
     ax.axhline(res.chance, color="grey", lw=0.6)
     ax.set_xscale("log")
+    ax.set_xticks(res.bins[:-1], [str(b) for b in res.bins[:-1]], fontsize=7)
+    ax.minorticks_off()
     ax.set_xlabel("distance back to the source (tokens)")
     ax.set_ylabel("copy accuracy (argmax)")
     ax.set_ylim(-0.02, 1.08)
