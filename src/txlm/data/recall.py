@@ -8,14 +8,22 @@ other spans (sources and copies of other spans) in between::
       ^ source              ^ copy, d tokens after its source
 
 ``d`` is drawn per span, log-uniformly from ``[min_dist, max_dist]``, so each octave of
-distance holds about as many copies (a copy that had to wait for others records its true,
-longer distance). Once the first symbol of a copy has appeared, the rest of the copy is
-determined by its source and by nothing else: a span's symbols are distinct and avoid every
-symbol of the ``fresh`` tokens before it and of every source still waiting for its copy, so
-inside that window each symbol's earlier occurrence is unique (an induction-style lookup
-"find my previous occurrence, read what followed it" has exactly one answer). A model that
-cannot see ``d`` tokens back can only guess among the unused symbols. The first symbol of a
-copy is not predictable (nothing says which span recurs next) and is not counted as a copy.
+distance holds about as many copies; a copy is written at the first span boundary after it
+is due, and one that had to wait for others records its true, longer distance.
+
+Once the first symbol of a copy has appeared, the rest of the copy is determined by its source
+and by nothing else: a span's symbols are distinct and avoid every symbol of the ``fresh``
+tokens before it and of every source still waiting for its copy, so inside that window each
+symbol's earlier occurrence is unique (an induction-style lookup "find my previous occurrence,
+read what followed it" has exactly one answer). A model that cannot see ``d`` tokens back can
+only guess among the unused symbols. The first symbol of a copy is not predictable (nothing
+says which span recurs next) and is not counted as a copy.
+
+By default every span has ``span`` symbols, so copies lie a multiple of ``span`` back (and a
+fixed-offset attention head can serve a common distance); ``min_span`` varies the lengths so
+that distances take every value and only a lookup by content finds the source. Train copies
+lie at most ``train_max_dist`` back, valid and test copies up to ``max_dist``: a model is
+trained on what a short memory reaches and tested far beyond it.
 
 About half of all tokens are predictable copies. The stream is one document per split and is
 read like any other corpus (character level, bpc): spans and their copies cross segment
