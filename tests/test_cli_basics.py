@@ -38,9 +38,21 @@ def test_unknown_command_is_one_line_and_exit_2():
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Every command by name; a command with its own subcommands (``bench``) appears as each
+    of them, ``bench eval-speed``, ``bench memory``, and under its own name as the first."""
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(sub.choices)
+    out: dict[str, argparse.ArgumentParser] = {}
+    for name, p in sub.choices.items():
+        nested = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if not nested:
+            out[name] = p
+            continue
+        for i, (child, q) in enumerate(nested[0].choices.items()):
+            out[f"{name} {child}"] = q
+            if i == 0:
+                out[name] = q
+    return out
 
 
 # Commands that run a model: each takes --device, and it means the same everywhere.
@@ -55,6 +67,7 @@ def test_every_model_command_defaults_to_device_auto():
     assert set(options) >= MODEL_COMMANDS
     for name in MODEL_COMMANDS - {"train"}:  # train: run.device in the config, auto too
         assert options[name]["--device"].default == "auto", name
+    assert options["bench memory"]["--device"].default == "auto"
     assert TrainConfig().run.device == "auto"
 
 
