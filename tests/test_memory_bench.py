@@ -1,4 +1,4 @@
-"""txlm bench memory: the variant group, the per-token hook it reads, and the command."""
+"""txlm bench memory: the variant group, its per-copy scoring, and the command."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import txlm
 from txlm.analysis.ablation import variants
-from txlm.analysis.memory import bench_variants, distance_bins, variant_config
-from txlm.evaluate import evaluate_tokens
+from txlm.analysis.memory import bench_variants, copy_profile, distance_bins, variant_config
 from txlm.train_config import preset_config
 
 TASK = (
@@ -45,22 +45,28 @@ def test_distance_bins_cover_the_range_in_half_octaves():
     assert all(b / a < 1.5 for a, b in itertools.pairwise(bins))
 
 
-def test_on_segment_sees_every_label_once_at_its_stream_index():
+def test_copy_profile_scores_each_copy_once_at_its_stream_position():
+    """A model that always predicts one symbol is right exactly on the copies of it."""
     torch.manual_seed(0)
-    model = txlm.TransformerXL(txlm.ModelConfig.from_preset("debug")).eval()
-    tokens = np.random.default_rng(0).integers(0, 64, size=203)
-    rows, seen = 4, []
-    row_len = math.ceil((len(tokens) - 1) / rows)
-
-    def hook(lo, labels, out):
-        assert out.hidden.shape[:2] == labels.shape
-        for b, c in zip(*torch.nonzero(labels != -100, as_tuple=True), strict=True):
-            index = int(b) * row_len + lo + int(c) + 1
-            assert int(labels[b, c]) == tokens[index]
-            seen.append(index)
-
-    result = evaluate_tokens(model, tokens, batch_size=rows, on_segment=hook)
-    assert sorted(seen) == list(range(1, len(tokens))) and result["tokens"] == len(seen)
+    model = txlm.TransformerXL(txlm.ModelConfig.from_preset("debug", tgt_len=8)).eval()
+    with torch.no_grad():  # the softmax bias decides: argmax is always symbol 5
+        model.softmax.layers[0].weight.zero_()
+        model.softmax.layers[0].bias.zero_()
+        model.softmax.layers[0].bias[5] = 1.0
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, size=403)
+    distances = np.where(rng.random(403) < 0.5, rng.integers(1, 40, size=403), 0)
+    distances[0] = 0
+    bins = [1, 10, 40]
+    p = copy_profile(model, tokens, distances, bins, mem_len=8, rows=4)
+    row_len = math.ceil(402 / 4)
+    position = np.arange(403)
+    row_start = ((position - 1) // row_len) * row_len
+    for (lo, hi), acc, count in zip(itertools.pairwise(bins), p.accuracy, p.count, strict=True):
+        sel = (distances >= lo) & (distances < hi) & (position - distances >= row_start)
+        sel[0] = False
+        assert count == sel.sum()
+        assert acc == pytest.approx((tokens[sel] == 5).mean())
 
 
 def test_bench_memory_command(tmp_path):

@@ -8,7 +8,7 @@ without recurrence, the vanilla absolute-position model) plus the memory counter
 absolute-position variant that lacks one is trained on the same task with the same trainer
 as ``txlm train`` (``txlm.train.Trainer``), preset ``recall`` with the variant's encoding and
 memory. Then each model reads the valid split with the ordinary streaming evaluation
-(``txlm.evaluate.evaluate_tokens``; segments of L, memory carried) at m = M, 2M and 4M (once,
+(``txlm.evaluate.stream_segments``; segments of L, memory carried) at m = M, 2M and 4M (once,
 m = 0, without recurrence), and every copy token is scored: its loss, and whether the argmax
 prediction is right. Copies are bucketed by d in half-octaves.
 
@@ -152,35 +152,25 @@ def copy_profile(
     train_mem: int = 0,
 ) -> CopyProfile:
     """Stream ``tokens`` with memory ``mem_len`` and score every copy token by distance."""
-    from txlm.evaluate import evaluate_tokens
+    from txlm.evaluate import stream_segments
 
     start = time.perf_counter()
     n = len(tokens)
     row_len = math.ceil((n - 1) / rows)
     nll = np.full(n, np.nan)
     right = np.zeros(n, dtype=bool)
-
-    def on_segment(lo: int, labels: torch.Tensor, out: Any) -> None:
-        hidden = out.hidden
+    # the ordinary streaming evaluation; labels[b, c] is token b * row_len + start + c + 1
+    for seg in stream_segments(model, tokens, batch_size=rows, mem_len=mem_len, same_length=False):
+        hidden, labels = seg.out.hidden, seg.labels
         log_probs = model.softmax.log_prob(hidden.reshape(-1, hidden.size(-1)))
         log_probs = log_probs.view(*labels.shape, -1)
-        valid = labels != -100
         safe = labels.clamp(min=0)
         token_nll = -log_probs.gather(-1, safe[..., None])[..., 0]
         hit = log_probs.argmax(-1) == safe
-        b, c = torch.nonzero(valid, as_tuple=True)
-        index = (b * row_len + lo + c + 1).numpy()
-        nll[index] = token_nll[b, c].double().numpy()
-        right[index] = hit[b, c].numpy()
-
-    evaluate_tokens(
-        model,
-        tokens,
-        batch_size=rows,
-        mem_len=mem_len,
-        same_length=False,
-        on_segment=on_segment,
-    )
+        b, c = torch.nonzero(labels != -100, as_tuple=True)
+        index = (b * row_len + seg.start + c + 1).cpu().numpy()
+        nll[index] = token_nll[b, c].double().cpu().numpy()
+        right[index] = hit[b, c].cpu().numpy()
     scored = ~np.isnan(nll)
     position = np.arange(n)
     row_start = ((position - 1) // row_len) * row_len  # the row's first input token
