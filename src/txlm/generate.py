@@ -347,7 +347,7 @@ class CachedDecoder(_Decoder):
         if dtype != self.dtype or self.device.type == "cpu":
             self.net = copy.deepcopy(self.model).to(dtype).eval()
         if self.device.type == "cpu":
-            _matvec_layout(self.net)
+            _inference_layout(self.net)
         self._step: Callable[[Tensor], Tensor] | None = None
 
     def _cache_dtype(self) -> torch.dtype:
@@ -360,7 +360,9 @@ class CachedDecoder(_Decoder):
         dtype = self._autocast_dtype()
         if dtype != self.compute_dtype:
             self._prepare(dtype)
-        self.cache = self.net.new_cache(batch, dtype=self._cache_dtype())
+        # a compiled or captured step needs the static one; an eager step skips the mask
+        static = bool(self.compile) or self.cuda_graph
+        self.cache = self.net.new_cache(batch, dtype=self._cache_dtype(), static=static)
         self._step = None
 
     def _segment(self, ids: Tensor, reset: Tensor | None, *, last: bool = False) -> Tensor:
@@ -425,24 +427,29 @@ class CachedDecoder(_Decoder):
 
 
 @torch.no_grad()
-def _matvec_layout(model: nn.Module) -> None:
-    """Re-stride (not re-shape) the weights of a decoding copy for one-row products on a CPU.
+def _inference_layout(model: nn.Module) -> None:
+    """Turn a decoding copy's parameters into plain tensors laid out for one-row products on
+    a CPU. Same values and shapes; the model's code is unchanged.
 
-    A step multiplies one row per sequence by each weight [out, in]. MKL streams such a
-    product 2-3x faster from a contiguous [in, out] buffer when out > in (the 10k x 256
-    output layer: ~0.2-0.35 ms instead of ~0.3-1.1 ms); for in >= out the weight as it is
-    runs as fast. So those weights become the transposed view of a contiguous [in, out]
-    copy: the same values and shapes, and the model's code is unchanged. Tied weights stay
-    tied (each is re-strided once).
+    A step multiplies one row per sequence by each weight [out, in], a few dozen small calls
+    per token, so per-call costs show. Each parameter becomes a buffer holding a plain tensor:
+    an ``nn.Parameter`` is a tensor subclass, and every call that takes one goes through
+    torch's subclass dispatch (a few microseconds per call, ~10% of a step of a small model).
+    And MKL streams such a product 2-3x faster from a contiguous [in, out] buffer when
+    out > in (the 10k x 256 output layer: ~0.2-0.35 ms instead of ~0.3-1.1 ms); for
+    in >= out the weight as it is runs as fast. So those weights become the transposed view
+    of a contiguous [in, out] copy. Tied weights stay tied (each is converted once).
     """
-    done: dict[int, nn.Parameter] = {}
+    done: dict[int, Tensor] = {}
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
-            if p.dim() != 2 or p.size(0) <= p.size(1) or name != "weight":
-                continue
             if id(p) not in done:
-                done[id(p)] = nn.Parameter(p.t().contiguous().t(), requires_grad=False)
-            setattr(module, name, done[id(p)])
+                t = p.detach()
+                if name == "weight" and t.dim() == 2 and t.size(0) > t.size(1):
+                    t = t.t().contiguous().t()
+                done[id(p)] = t
+            delattr(module, name)
+            module.register_buffer(name, done[id(p)])
 
 
 class _GraphedStep:

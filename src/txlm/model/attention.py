@@ -47,6 +47,18 @@ def rel_shift(x: Tensor) -> Tensor:
     return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, without an operation when it is in ``dtype`` already (a decoding step
+    would otherwise make dozens of no-op calls)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
+def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+    """``norm(x)`` without the module call: the same operation, and one fewer Python layer
+    on a path that makes a few per layer and token."""
+    return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+
+
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Bool mask (True: may attend) -> 0 / -inf bias of the same shape, to add to scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
@@ -128,7 +140,7 @@ class RelativeAttention(nn.Module):
         qp = q if v is None else q + v[:, None, :]
         return content, rel_shift(qp @ rk.transpose(-1, -2))
 
-    def _scores(self, qc: Tensor, k: Tensor, bias: Tensor, fresh: bool) -> Tensor:
+    def _scores(self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool) -> Tensor:
         """Scaled scores [B, H, L, K] = scale * qc . k + bias, in one pass over the
         [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
         onto the bias (baddbmm, beta = 1, alpha = scale). In place when the bias is ``fresh``
@@ -138,6 +150,8 @@ class RelativeAttention(nn.Module):
         rows = batch * heads
         qc = qc.reshape(rows, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
+        if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
+            return torch.bmm(qc, kt).mul_(self.scale).view(batch, heads, qlen, klen)
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
@@ -149,29 +163,40 @@ class RelativeAttention(nn.Module):
         return scores.view(batch, heads, qlen, klen)
 
     def _bias(
-        self, q: Tensor, rk: Tensor | None, mask: Tensor, v: Tensor | None, cache: LayerCache | None
-    ) -> tuple[Tensor, bool]:
+        self,
+        q: Tensor,
+        rk: Tensor | None,
+        mask: Tensor | None,
+        v: Tensor | None,
+        cache: LayerCache | None,
+    ) -> tuple[Tensor | None, bool]:
         """The additive bias: the scaled position scores (b)+(d) plus the mask as 0 / -inf,
         and whether it is a fresh tensor (see ``_scores``). It is [B H, L, K] for a shared
-        [L, K] mask, else broadcastable to [B, H, L, K].
+        [L, K] mask or none, else broadcastable to [B, H, L, K]; None when there is neither.
 
         (q + v) . r is computed once per distance, then laid out per pair: by the relative
         shift (a view) for [memory; segment] keys, by the cache's distance index for its
-        ring of slots. The scale goes onto the queries ([B, H, L, Dh], K/Dh times smaller).
+        ring of slots (or not at all: an eager step's keys come in slot order). The scale
+        goes onto the queries ([B, H, L, Dh], K/Dh times smaller).
         """
         dtype = q.dtype if rk is None else rk.dtype
-        mask_bias = mask.to(dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
+        mask_bias = None
+        if mask is not None:
+            mask_bias = _as(mask, dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
         if rk is None:
             return mask_bias, False
-        qp = (q if v is None else q + v.unsqueeze(1)).to(rk.dtype)
+        qp = _as(q if v is None else q + v.unsqueeze(1), rk.dtype)
         if cache is None:
             pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2))  # from [B, H, L, K+1]
         else:  # the cache's position keys are scaled already (TransformerXL.position_table)
-            per_distance = qp @ rk.transpose(-1, -2)  # [B, H, L, S]
-            pairs = per_distance.gather(-1, cache.step.index.expand(*qp.shape[:2], -1, -1))
-        if mask_bias.dim() == 2:  # merging (B, H) is a view, and the sum a new 3-D tensor
+            pairs = qp @ rk.transpose(-1, -2)  # [B, H, L, S] per distance, or per slot
+            if cache.step.index is not None:
+                pairs = pairs.gather(-1, cache.step.index.expand(*qp.shape[:2], -1, -1))
+        if mask_bias is None or mask_bias.dim() == 2:  # merging (B, H) is a view
             batch, heads, qlen, klen = pairs.shape
-            return pairs.reshape(batch * heads, qlen, klen) + mask_bias, True
+            pairs = pairs.reshape(batch * heads, qlen, klen)
+            # the sum is a new 3-D tensor; the cache's slot-ordered scores are one already
+            return (pairs, True) if mask_bias is None else (pairs + mask_bias, True)
         return pairs + mask_bias, True
 
     # -- forward ------------------------------------------------------------------------
@@ -179,7 +204,7 @@ class RelativeAttention(nn.Module):
         self,
         h: Tensor,
         mem: Tensor | None,
-        mask: Tensor,
+        mask: Tensor | None,
         pos: Tensor | None,
         u: Tensor | None = None,
         v: Tensor | None = None,
@@ -190,14 +215,15 @@ class RelativeAttention(nn.Module):
         """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions).
 
         mask: True (or 0.0) where attention is allowed, [L, K] or [B, 1, L, K]; float masks
-            are additive (0 / -inf).
+            are additive (0 / -inf). None: every key is visible (the cache's eager steps).
         pos: R [K+1, D] for "xl", distances [K+1] for "shaw", None for absolute encodings.
         cache: inference only. The memory's keys and values come from the cache (``mem`` is
             not used), this segment's are written into it, and the keys are its S slots
             (K = S; ``mask`` is the cache's).
         Returns (output [B, L, D], extras) with "probs" [B, H, L, K] on request.
         """
-        x = self.norm(h) if self.pre_lnorm else h
+        norm = self.norm
+        x = layer_norm(norm, h) if self.pre_lnorm else h
         q, k, val = self._project(x, mem, cache)
 
         if self.attn_type != "xl":
@@ -208,21 +234,24 @@ class RelativeAttention(nn.Module):
             rk = cache.table  # held in the cache's dtype
         else:
             rk = self.position_keys(pos) if pos is not None else None
-            rk = rk.to(k.dtype) if rk is not None else None
+            rk = _as(rk, k.dtype) if rk is not None else None
         bias, fresh = self._bias(q, rk, mask, v, cache)
         qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
 
         extras: dict[str, Tensor] = {}
         if self._use_sdpa(q, rk, return_probs):
             p_drop = self.dropatt if self.training else 0.0
-            if bias.dim() == 3:
-                bias = bias.view(q.size(0), q.size(1), *bias.shape[1:])
+            if bias is not None:
+                if bias.dim() == 3:
+                    bias = bias.view(q.size(0), q.size(1), *bias.shape[1:])
+                bias = _as(bias, k.dtype)
             attn = F.scaled_dot_product_attention(
-                qc, k, val, attn_mask=bias.to(k.dtype), dropout_p=p_drop, scale=self.scale
+                qc, k, val, attn_mask=bias, dropout_p=p_drop, scale=self.scale
             )
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
-            scores = self._scores(qc.to(k.dtype), k, bias.to(k.dtype), fresh)
+            bias = None if bias is None else _as(bias, k.dtype)
+            scores = self._scores(_as(qc, k.dtype), k, bias, fresh)
             if scores.dtype == torch.float32 or scores.dtype == torch.float64:
                 probs = torch.softmax(scores, dim=-1)
             else:  # half precision is normalised in float32
@@ -231,9 +260,10 @@ class RelativeAttention(nn.Module):
                 extras["probs"] = probs
             attn = dropout(probs, self.dropatt, self.training) @ val
 
-        # functional dropout: the same as the module, without a module call per use
-        out = dropout(self.out(attn.transpose(1, 2).flatten(2)), self.drop.p, self.training)
-        out = h + out if self.pre_lnorm else self.norm(h + out)
+        # functional calls: the same as the modules', without a module call per use
+        out = F.linear(attn.transpose(1, 2).flatten(2), self.out.weight)
+        out = dropout(out, self.drop.p, self.training)
+        out = h + out if self.pre_lnorm else layer_norm(norm, h + out)
         return out, extras
 
     def _project(
@@ -247,15 +277,15 @@ class RelativeAttention(nn.Module):
         backward computes no input gradient for its M rows (2 B M D 2I FLOPs per layer).
         """
         inner = self.n_head * self.d_head
-        q, kv = self.qkv(x).split([inner, 2 * inner], dim=-1)
+        q, kv = F.linear(x, self.qkv.weight).split([inner, 2 * inner], dim=-1)
         q = self._heads(q)
         if cache is not None:  # [B, L, 2I] -> [2, B, H, L, Dh]: one write for both
             kv = kv.unflatten(-1, (2, self.n_head, self.d_head)).permute(2, 0, 3, 1, 4)
             k, val = cache.write(kv)
-            return q.to(k.dtype), k, val  # attention runs in the cache's dtype
+            return _as(q, k.dtype), k, val  # attention runs in the cache's dtype
         if mem is not None and mem.size(1) > 0:
-            m = self.norm(mem) if self.pre_lnorm else mem
-            kv = torch.cat([F.linear(m, self._split_qkv()[1]).to(kv.dtype), kv], dim=1)
+            m = layer_norm(self.norm, mem) if self.pre_lnorm else mem
+            kv = torch.cat([_as(F.linear(m, self._split_qkv()[1]), kv.dtype), kv], dim=1)
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
         return q, k, val
 
@@ -288,7 +318,13 @@ class PositionwiseFF(nn.Module):
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
     def forward(self, h: Tensor) -> Tensor:
-        x = self.norm(h) if self.pre_lnorm else h
+        norm, fc1, fc2 = self.norm, self.fc1, self.fc2
+        x = layer_norm(norm, h) if self.pre_lnorm else h
         p, training = self.drop.p, self.training
-        out = dropout(self.fc2(dropout(F.relu(self.fc1(x)), p, training)), p, training)
-        return h + out if self.pre_lnorm else self.norm(h + out)
+        # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
+        # run a 3-D one as a product and a separate pass to add the bias
+        x = x.reshape(-1, x.size(-1))
+        out = F.linear(x, fc1.weight, fc1.bias).relu_()
+        out = F.linear(dropout(out, p, training), fc2.weight, fc2.bias)
+        out = dropout(out.view(h.shape), p, training)
+        return h + out if self.pre_lnorm else layer_norm(norm, h + out)

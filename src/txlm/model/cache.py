@@ -20,6 +20,14 @@ query at position t + i (t: the segment's first) sees key position p when
     doc(p) == doc(t + i)       document ids, per row: a reset starts a new document
 The position term needs the distance t + i - p per (query, slot): ``index`` [L, S], which picks
 each pair's score from the per-distance scores (q + v) . W_kR R_d, d = 0 .. S-1 (``table``).
+
+Static and eager steps. A static cache (the default) gives every step the same shapes and
+operations, as compiling and graph capture need. An eager decoder (``static=False``) keeps
+the write position on the host as well, so a one-token step that needs no mask (no document
+ids, no same_length, every written slot inside the memory) skips it: it attends over the
+written slots only, and reads its position keys already in slot order from a ring table
+(``ring_tables``: a slice, where the static step gathers). The same slots and the same
+arithmetic, with a fraction of the per-token operations (what bounds a CPU step at batch 1).
 """
 
 from __future__ import annotations
@@ -40,8 +48,12 @@ class CacheStep:
     """What every layer of one segment shares (made once per segment by ``KVCache.advance``)."""
 
     slots: Tensor  # [L] the slots this segment writes
-    mask: Tensor  # additive 0 / -inf [L, S] or [B, 1, L, S], in the cache's dtype
-    index: Tensor  # [L, S] distance of each (query, slot) pair, clamped into the table
+    mask: Tensor | None  # additive 0 / -inf [L, S] or [B, 1, L, S] in the cache's dtype; None:
+    # every slot of the window is visible (an eager one-token step, see KVCache.advance)
+    index: Tensor | None  # [L, S] distance of each (query, slot) pair, clamped into the table;
+    # None: the position keys come in slot order (``ring``) and need no gather
+    width: int  # slots the queries attend over: S, or the W < S written ones (eager only)
+    ring: int = 0  # eager one-token step: where its slot-ordered keys start in ``ring_tables``
 
 
 @dataclass
@@ -54,9 +66,15 @@ class LayerCache:
 
     @property
     def table(self) -> Tensor | None:
-        """[H, S, Dh] position keys of distances 0 .. S-1 (None for absolute encodings)."""
-        tables = self.cache.tables
-        return None if tables is None else tables[self.layer]
+        """Position keys (None for absolute encodings): of distances 0 .. S-1, [H, S, Dh], to
+        be gathered by ``step.index``; or, when the index is None, those of the W slots in
+        slot order, [H, W, Dh]."""
+        cache, step = self.cache, self.step
+        if cache.tables is None:
+            return None
+        if step.index is None:
+            return cache.ring_tables[self.layer].narrow(1, step.ring, step.width)
+        return cache.tables[self.layer]
 
     def write(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.write(self.layer, self.step, kv)
@@ -79,9 +97,11 @@ class KVCache:
         max_len: int,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
+        static: bool = True,
     ) -> None:
         self.mem_len, self.max_len = mem_len, max_len
         self.slots = mem_len + max_len
+        self.static = static
         shape = (n_layer, 2, batch, n_head, self.slots, d_head)
         # zeros, not empty: a masked slot still enters the products (0 weight x finite value)
         self.kv = torch.zeros(shape, device=device, dtype=dtype)
@@ -91,6 +111,9 @@ class KVCache:
         self.next_pos = torch.zeros((), dtype=torch.long, device=device)  # position t
         self.per_row = False  # True once a reset was given: the mask is per row from then on
         self.tables: list[Tensor] | None = None
+        self.ring_tables: list[Tensor] = []  # eager caches: see ensure_tables
+        self.written = 0  # eager caches: next_pos on the host (a static step never reads it)
+        self._slot_ids = torch.arange(self.slots, device=device)
 
     @property
     def k(self) -> Tensor:
@@ -110,7 +133,25 @@ class KVCache:
         """Per layer [H, S, Dh] position keys of distances 0 .. S-1 (``build(S)``), made once."""
         if self.tables is None:
             self.tables = [t.to(self.kv.dtype) for t in build(self.slots)]
+        if not self.static and not self.ring_tables:
+            # Column c holds distance (S - 1 - c) mod S, c < 2S - 1: the query in slot j sees
+            # slot i at distance (j - i) mod S, so columns S-1-j .. 2S-2-j are the keys of
+            # slots 0 .. S-1 in order (a slice per step instead of a gather per layer).
+            cols = (self.slots - 1 - torch.arange(2 * self.slots - 1)) % self.slots
+            cols = cols.to(self.pos.device)
+            self.ring_tables = [t.index_select(1, cols) for t in self.tables]
         return self.tables
+
+    def unmasked(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> bool:
+        """Whether ``advance(qlen, reset)`` of this (eager) cache gives an unmasked step: one
+        query whose written slots are all inside its memory window (a ring of M + 1, or at
+        most M + 1 positions written), no document ids, no same_length; then the written
+        slots 0 .. W-1 are exactly what it sees."""
+        return (
+            not self.static and qlen == 1 and reset is None and not self.per_row
+            and not same_length
+            and (self.slots == self.mem_len + 1 or self.written <= self.mem_len)
+        )  # fmt: skip
 
     def advance(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> CacheStep:
         """Take the next ``qlen`` positions: their slots, document ids, and the mask and
@@ -119,6 +160,18 @@ class KVCache:
             raise ValueError(
                 f"a segment of {qlen} tokens does not fit a cache made for {self.max_len}"
             )
+        if not self.static:
+            unmasked = self.unmasked(qlen, reset, same_length=same_length)
+            t = self.written
+            self.written += qlen
+            if unmasked:
+                slot = t % self.slots
+                self.pos[slot] = t
+                self.next_pos.add_(1)
+                width = min(t + 1, self.slots)
+                return CacheStep(
+                    self._slot_ids.narrow(0, slot, 1), None, None, width, self.slots - 1 - slot
+                )
         device = self.pos.device
         qpos = self.next_pos + torch.arange(qlen, device=device)  # [L]
         slots = qpos % self.slots
@@ -141,13 +194,15 @@ class KVCache:
         # one 0 / -inf bias for every layer of the segment
         mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
-        return CacheStep(slots, mask, dist.clamp(0, self.slots - 1))
+        return CacheStep(slots, mask, dist.clamp(0, self.slots - 1), self.slots)
 
     def write(self, layer: int, step: CacheStep, kv: Tensor) -> tuple[Tensor, Tensor]:
         """Store this segment's keys and values ``kv`` [2, B, H, L, Dh]; returns the keys and
         values of all S slots, [B, H, S, Dh] each."""
         buffer = self.kv[layer]
-        buffer.index_copy_(3, step.slots, kv.to(buffer.dtype))
+        buffer.index_copy_(3, step.slots, kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype))
+        if step.width < self.slots:
+            buffer = buffer.narrow(3, 0, step.width)
         return buffer[0], buffer[1]
 
     @property
@@ -176,6 +231,7 @@ class KVCache:
         if self.kv.dtype != dtype:
             self.kv = self.kv.to(dtype)
             self.tables = None if self.tables is None else [t.to(dtype) for t in self.tables]
+            self.ring_tables = [t.to(dtype) for t in self.ring_tables]
 
     def resized(self, max_len: int) -> KVCache:
         """The same memory in a cache for segments of at most ``max_len`` (e.g. 1 to decode
@@ -183,9 +239,10 @@ class KVCache:
         n_layer, _, batch, n_head, _, d_head = self.kv.shape
         new = KVCache(
             n_layer, batch, n_head, d_head, mem_len=self.mem_len, max_len=max_len,
-            device=self.kv.device, dtype=self.kv.dtype,
+            device=self.kv.device, dtype=self.kv.dtype, static=self.static,
         )  # fmt: skip
         end = int(self.next_pos)
+        new.written = end
         src = torch.arange(end - self.length, end, device=self.pos.device)
         dst = src % new.slots
         src = src % self.slots

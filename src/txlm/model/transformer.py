@@ -28,7 +28,7 @@ from txlm.errors import ConfigError
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
 from txlm.model.cache import KVCache, LayerCache
-from txlm.model.dropout import Dropout
+from txlm.model.dropout import Dropout, dropout
 from txlm.model.mask import attention_mask
 from txlm.model.memory import update_memory
 from txlm.model.positional import relative_distances, sinusoid
@@ -261,7 +261,7 @@ class TransformerXL(nn.Module):
         h = self.embed(input_ids)
         if c.attn_type == "vaswani":  # absolute position within the segment
             h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
-        h = self.drop(h)
+        h = dropout(h, self.drop.p, self.training)
 
         pos: Tensor | None = None
         if cache is not None:
@@ -283,7 +283,8 @@ class TransformerXL(nn.Module):
         v = getattr(self, "v", None)
 
         hiddens = []
-        abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
+        if c.attn_type == "alrfou":
+            abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
@@ -296,7 +297,7 @@ class TransformerXL(nn.Module):
             )
             if extras is not None:
                 extras.append(layer_extras)
-        h = self.drop(h)
+        h = dropout(h, self.drop.p, self.training)
         if cache is not None:
             if mems is None:  # the cache is the memory; no hidden states to carry
                 return h, [], None
@@ -315,12 +316,13 @@ class TransformerXL(nn.Module):
         forward clamps them and multiplied by the attention's scale once (so no step scales
         its queries for them): what a cache of ``span`` slots indexes (txlm.model.cache)."""
         c = self.config
-        device = next(self.parameters()).device
+        weight = self.embed.layers[0].weight  # (a decoder's copy may hold plain tensors)
+        device = weight.device
         dist = torch.arange(span, device=device, dtype=torch.float32)
         if c.attn_type == "xl":
             if c.clamp_len > 0:
                 dist = dist.clamp(max=c.clamp_len)
-            pos = sinusoid(dist, c.d_model).to(next(self.parameters()).dtype)
+            pos = sinusoid(dist, c.d_model).to(weight.dtype)
         else:
             pos = dist.clamp(max=self._shaw_clamp())
         return [
@@ -328,14 +330,20 @@ class TransformerXL(nn.Module):
         ]
 
     def new_cache(
-        self, batch: int, max_len: int | None = None, *, dtype: torch.dtype | None = None
+        self,
+        batch: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        static: bool = True,
     ) -> KVCache:
         """An empty cache for ``batch`` rows and segments of up to ``max_len`` (tgt_len),
-        holding keys and values in ``dtype`` (the weights' by default)."""
+        holding keys and values in ``dtype`` (the weights' by default). ``static=False``: for
+        eager decoding, whose one-token steps then skip the mask (see txlm.model.cache)."""
         c = self.config
-        p = next(self.parameters())
+        p = self.embed.layers[0].weight
         return KVCache(
             c.n_layer, batch, c.n_head, self.layers[0].attn.d_head, mem_len=c.mem_len,
             max_len=c.tgt_len if max_len is None else max_len, device=p.device,
-            dtype=p.dtype if dtype is None else dtype,
+            dtype=p.dtype if dtype is None else dtype, static=static,
         )  # fmt: skip
