@@ -10,7 +10,10 @@ workload, so load on a shared machine hits both alike, and reports old time / ne
 (> 1: the new code is faster). Workloads at compare.py's "cpu" shape (4 layers, d_model 256,
 batch 8 x 128, vocabulary 204, fp32): a training step (Adam), evaluation with 128 and 512
 memory, plain and with the K/V cache, and greedy decoding (batch 1, mem 512, 32 tokens after
-a 512-token context, steps only). Writes benchmarks/results/compare_revisions.json (--out).
+a 512-token context, steps only): ``generate`` as ``txlm generate`` runs it (the new code with
+its CPU one-token step over the cache), ``generate_modules`` the new code's steps through the
+modules only (``CachedDecoder(one_token=False)``): the measurement that keeps the one-token
+step (txlm.model.one_token). Writes benchmarks/results/compare_revisions.json (--out).
 """
 
 from __future__ import annotations
@@ -90,14 +93,20 @@ def workloads(mods: dict, model, ids: torch.Tensor) -> dict:
 
         return setup
 
-    def decode():
+    def decode(one_token: bool = True):
         model.eval()
         model.config = model.config.replace(mem_len=512)
         ctx = torch.randint(0, 204, (1, 512), generator=torch.Generator().manual_seed(3))
+        # the old code has no choice; the new one can leave out its CPU one-token step
+        opts = (
+            {}
+            if one_token or mods["generate"].__name__.startswith("txlm_old")
+            else {"one_token": False}
+        )
 
         def f():
             with torch.no_grad():
-                dec = mods["generate"].CachedDecoder(model)
+                dec = mods["generate"].CachedDecoder(model, **opts)
                 logp = dec.prefill(ctx.tolist())
                 t = time.perf_counter()
                 for _ in range(32):
@@ -113,6 +122,7 @@ def workloads(mods: dict, model, ids: torch.Tensor) -> dict:
         "eval_m512": (evaluate(512, False), 3),
         "eval_m512_kv": (evaluate(512, True), 3),
         "generate": (decode, 1),
+        "generate_modules": (lambda: decode(one_token=False), 1),
     }
 
 

@@ -101,6 +101,31 @@ def test_cached_decoding_matches_recompute_across_trimming(name: str) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_one_token_step_equals_the_modules(name: str) -> None:
+    """The CPU one-token step (txlm.model.one_token) gives the log-probs of the modules' step
+    over the same cache, across many ring wrap-arounds (24 + 1 slots), in every configuration;
+    where it does not apply (absolute encodings, same_length) the modules run."""
+    overrides, steps = CONFIGS[name]
+    model = make_model(**overrides)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 64, (13,), generator=g).tolist()
+    cont = torch.randint(0, 64, (steps,), generator=g).tolist()
+    fast, modules = CachedDecoder(model), CachedDecoder(model, one_token=False)
+    calls = []
+    one = fast._one
+    fast._one = lambda ids, cache: calls.append(1) or one(ids, cache)
+    rows = {}
+    for side, dec in (("fast", fast), ("modules", modules)):
+        out = [dec.prefill([prompt])[0]]
+        out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
+        rows[side] = torch.stack(out)
+    covered = model.config.attn_type in ("xl", "shaw") and not model.config.same_length
+    assert len(calls) == (steps - 1 if covered else 0)
+    assert (rows["modules"][1:] - rows["modules"][:-1]).abs().max() > 0.1
+    torch.testing.assert_close(rows["fast"], rows["modules"], atol=ATOL, rtol=0)
+
+
 def test_cache_holds_projections_of_the_trimmed_memory() -> None:
     """The cached K/V window equals the projection of the model's memory, step after step."""
     model = make_model(pre_lnorm=True)

@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.model.cache import KVCache
+from txlm.model.one_token import OneTokenStep
 from txlm.model.transformer import TransformerXL
 
 PromptLike = Sequence[int] | Tensor
@@ -322,9 +323,11 @@ class CachedDecoder(_Decoder):
         *,
         compile: bool | str = False,
         cuda_graph: bool | None = None,
+        one_token: bool = True,
     ) -> None:
         super().__init__(model)
         self.compile = compile
+        self.one_token = one_token  # the CPU one-token step where it applies (eager steps)
         # compile on CUDA brings its own graphs (mode "reduce-overhead")
         if cuda_graph is None:
             cuda_graph = self.device.type == "cuda" and not compile
@@ -346,8 +349,10 @@ class CachedDecoder(_Decoder):
         self.net: TransformerXL = self.model
         if dtype != self.dtype or self.device.type == "cpu":
             self.net = copy.deepcopy(self.model).to(dtype).eval()
+        self._one: OneTokenStep | None = None
         if self.device.type == "cpu":
             _inference_layout(self.net)
+            self._one = OneTokenStep(self.net)
         self._step: Callable[[Tensor], Tensor] | None = None
 
     def _cache_dtype(self) -> torch.dtype:
@@ -399,6 +404,14 @@ class CachedDecoder(_Decoder):
             self.cache = self.cache.resized(1)
             self._step = None
 
+    def _eager_step(self, ids: Tensor) -> Tensor:
+        """``step_fn`` with the CPU one-token step (txlm.model.one_token) for the steps it
+        covers: unmasked ones (``KVCache.unmasked``); the others run through the modules."""
+        assert self.cache is not None and self._one is not None
+        if self.cache.unmasked(1, None, same_length=self.net.config.same_length):
+            return self.net.softmax.log_prob(self._one(ids, self.cache))
+        return self.step_fn(ids)
+
     def step(self, ids: Tensor) -> Tensor:
         return self._run(lambda: self._stepper()(ids.view(-1).to(self.device)))
 
@@ -414,6 +427,9 @@ class CachedDecoder(_Decoder):
             self.cache.cast(self._cache_dtype())
         if self._step is None:
             fn: Callable[[Tensor], Tensor] = self.step_fn
+            one = self._one is not None and self.one_token and not self.cuda_graph
+            if one and not self.compile and OneTokenStep.applies(self.net, self.cache):
+                fn = self._eager_step
             if self.compile:  # True: inductor; a string names another backend
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
                 mode = "reduce-overhead" if self.device.type == "cuda" else None
