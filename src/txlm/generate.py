@@ -312,6 +312,11 @@ class CachedDecoder(_Decoder):
     can be compiled (``compile``: ``torch.compile(fullgraph=True, dynamic=False)``; a string
     names the backend, e.g. "aot_eager").
 
+    Eager steps on a CPU (no compile, no graph) use the cache's unmasked one-token steps and,
+    where it is the same computation, the one-token step of txlm.model.one_token over the same
+    cache (``one_token=False``: the modules for every step): at batch 1 a CPU step is bound by
+    per-call overhead, and that step makes fewer calls than the modules.
+
     Under autocast with float32 weights the decoder runs a copy of the model held in the
     autocast dtype (made once, not a cast of every weight every token); on a CPU the cache
     and the one-query attention stay float32 (bf16 matrix-vector products are slower there).

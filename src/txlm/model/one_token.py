@@ -7,10 +7,11 @@ Dimension legend
 Why it exists beside the one path. At batch 1 a step of a small model is a few MFLOP: on a
 CPU its time goes to per-call overhead and to streaming the weights. Through the modules a
 step makes ~40 tensor calls per layer (views, splits, head reshapes written for [B, L]
-segments, module calls); this makes ~25, on weights laid out for one-row products, and was
-measured ~1.3x faster per token than the modules on the same cache
-(``benchmarks/compare_revisions.py``, workload ``generate``, old vs new, and
-``--one-token-off``). It runs only where it is the same computation: a relative encoding
+segments, module calls); this makes ~25, on weights laid out for one-row products. Measured
+side by side (``benchmarks/compare_revisions.py``, results in
+benchmarks/results/compare_revisions.json): decoding through the modules alone runs at ~0.7x
+the speed of the code before the one path, with this step at ~1.0x. It runs only where it is
+the same computation: a relative encoding
 ("xl", "shaw"), an unmasked step (``KVCache.unmasked``), and one dtype for weights and cache;
 every other step goes through the modules. Tested equal to them
 (tests/test_generate_cache.py, every configuration there, across ring wrap-arounds).
