@@ -11,10 +11,10 @@ segments, module calls); this makes ~25, on weights laid out for one-row product
 side by side (``benchmarks/compare_revisions.py``, results in
 benchmarks/results/compare_revisions.json): decoding through the modules alone runs at ~0.7x
 the speed of the code before the one path, with this step at ~1.0x. It runs only where it is
-the same computation: a relative encoding
-("xl", "shaw"), an unmasked step (``KVCache.unmasked``), and one dtype for weights and cache;
-every other step goes through the modules. Tested equal to them
-(tests/test_generate_cache.py, every configuration there, across ring wrap-arounds).
+the same computation: a relative encoding ("xl", "shaw"), an unmasked step
+(``KVCache.unmasked``), and one full-precision dtype for weights and cache; every other step
+goes through the modules. Tested equal to them (tests/test_generate_cache.py, every
+configuration there, across ring wrap-arounds).
 
 The arithmetic is ``RelativeAttention`` for L = 1: content (a)+(c) as (q + u) . k, position
 (b)+(d) as (q + v) . r with r the cache's slot-ordered, pre-scaled position keys, the scale
@@ -87,11 +87,14 @@ class OneTokenStep:
 
     @staticmethod
     def applies(model: TransformerXL, cache: KVCache) -> bool:
-        """Relative encodings, inference, weights and cache in one dtype, an eager cache."""
+        """Relative encodings, inference, an eager cache, weights and cache in one full
+        precision dtype (half precision attention is normalised in float32 by the modules,
+        not here)."""
         weight = model.layers[0].attn.qkv.weight
         return (
             model.config.attn_type in ("xl", "shaw") and not model.training
             and not cache.static and weight.dtype == cache.kv.dtype
+            and weight.dtype in (torch.float32, torch.float64)
             and not torch.is_autocast_enabled(weight.device.type)
         )  # fmt: skip
 
