@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 DATASETS = (
@@ -69,7 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-vocab", type=int, default=None, metavar="N",
         help="word level: keep the N most frequent symbols, the rest become <unk> (0: no cap)",
     )  # fmt: skip
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (none off a terminal anyway)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON summary object")
     p.set_defaults(func=run)
 
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         level=args.level,
         force=args.force,
         mirror=args.mirror,
-        progress=not args.no_progress,
+        # bars only on a terminal: in a log file each refresh would be another line
+        progress=not args.no_progress and sys.stderr.isatty(),
         min_freq=args.min_freq,
         max_vocab=args.max_vocab,
         vocab_size=args.vocab_size,
