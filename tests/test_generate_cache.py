@@ -104,8 +104,9 @@ def test_cached_decoding_matches_recompute_across_trimming(name: str) -> None:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_one_token_step_equals_the_modules(name: str) -> None:
     """The CPU one-token step (txlm.model.one_token) gives the log-probs of the modules' step
-    over the same cache, across many ring wrap-arounds (24 + 1 slots), in every configuration;
-    where it does not apply (absolute encodings, same_length) the modules run."""
+    over the same cache, across many ring wrap-arounds (24 + 1 slots), in every configuration
+    (same_length included: the step leaves out the oldest slot of the full ring itself);
+    where it does not apply (absolute encodings) the modules run."""
     overrides, steps = CONFIGS[name]
     model = make_model(**overrides)
     g = torch.Generator().manual_seed(2)
@@ -120,10 +121,39 @@ def test_one_token_step_equals_the_modules(name: str) -> None:
         out = [dec.prefill([prompt])[0]]
         out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
         rows[side] = torch.stack(out)
-    covered = model.config.attn_type in ("xl", "shaw") and not model.config.same_length
+    covered = model.config.attn_type in ("xl", "shaw")
     assert len(calls) == (steps - 1 if covered else 0)
     assert (rows["modules"][1:] - rows["modules"][:-1]).abs().max() > 0.1
     torch.testing.assert_close(rows["fast"], rows["modules"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["default", "same_length", "pre_lnorm", "adaptive"])
+def test_one_token_step_equals_the_modules_under_bf16_autocast(name: str) -> None:
+    """Under CPU autocast the one-token step runs on the decoder's bf16 copy over its float32
+    cache (products in bf16, attention, residual and LayerNorm in float32) and follows the
+    modules' autocast step to bf16 accuracy across ring wrap-arounds."""
+    overrides, steps = CONFIGS[name]
+    model = make_model(**overrides)
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 64, (13,), generator=g).tolist()
+    cont = torch.randint(0, 64, (steps,), generator=g).tolist()
+    rows = {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, modules = CachedDecoder(model), CachedDecoder(model, one_token=False)
+        calls = []
+        one = fast._one
+        fast._one = lambda ids, cache: calls.append(1) or one(ids, cache)
+        for side, dec in (("fast", fast), ("modules", modules)):
+            out = [dec.prefill([prompt])[0]]
+            out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
+            rows[side] = torch.stack(out)
+    assert len(calls) == steps - 1
+    assert fast.net.layers[0].attn.qkv.weight.dtype == torch.bfloat16
+    assert fast.cache.kv.dtype == torch.float32
+    assert (rows["modules"][1:] - rows["modules"][:-1]).abs().max() > 0.1
+    torch.testing.assert_close(rows["fast"], rows["modules"], atol=0.05, rtol=0)
+    ref = reference_log_probs(model, prompt, cont)
+    torch.testing.assert_close(rows["fast"], ref, atol=0.1, rtol=0)
 
 
 def test_cache_holds_projections_of_the_trimmed_memory() -> None:

@@ -411,9 +411,10 @@ class CachedDecoder(_Decoder):
 
     def _eager_step(self, ids: Tensor) -> Tensor:
         """``step_fn`` with the CPU one-token step (txlm.model.one_token) for the steps it
-        covers: unmasked ones (``KVCache.unmasked``); the others run through the modules."""
+        covers: unmasked ones (``KVCache.unmasked``; it leaves out the slot same_length hides
+        itself); the others run through the modules."""
         assert self.cache is not None and self._one is not None
-        if self.cache.unmasked(1, None, same_length=self.net.config.same_length):
+        if self.cache.unmasked(1, None, same_length=False):
             return self.net.softmax.log_prob(self._one(ids, self.cache))
         return self.step_fn(ids)
 
