@@ -38,6 +38,7 @@ import re
 import shutil
 import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -334,13 +335,7 @@ def prepare_dataset(
         vocab = _build_vocab(
             raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
         )
-    data_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_folders(data_dir, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
-    os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-    lock: int | None = None
-    try:
-        lock = _hold(tmp)
+    with building(data_dir, out) as tmp:
         work = tmp / "raw"
         work.mkdir()
         if raw is None:
@@ -376,6 +371,22 @@ def prepare_dataset(
             }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
+    return out
+
+
+@contextlib.contextmanager
+def building(data_dir: Path, out: Path) -> Iterator[Path]:
+    """A locked temporary folder beside ``out`` to build a dataset in. When the block ends
+    cleanly it replaces ``out`` in one rename; when it raises, it is removed and ``out`` stays
+    as it was (a dead process's folder is removed by the next build: see TEMP_LOCK)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_folders(data_dir, out.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
+    os.chmod(tmp, 0o755)  # mkdtemp creates 0700
+    lock: int | None = None
+    try:
+        lock = _hold(tmp)
+        yield tmp
         (tmp / TEMP_LOCK).unlink()  # not part of the dataset; the fd keeps the lock until done
         _swap_into_place(tmp, out)
     finally:
@@ -383,7 +394,6 @@ def prepare_dataset(
             shutil.rmtree(tmp, ignore_errors=True)
         if lock is not None:
             os.close(lock)
-    return out
 
 
 # A build in progress holds an flock on TMP/.lock; the kernel drops it when the process dies,

@@ -42,9 +42,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -224,13 +221,7 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
     vocab = vocabulary(spec)
     # symbol index -> token id: the vocabulary sorts by code point
     lut = np.asarray([vocab.id_of(c) for c in SYMBOLS[: spec.alphabet]])
-    data_dir.mkdir(parents=True, exist_ok=True)
-    prep._remove_stale_temp_folders(data_dir, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
-    os.chmod(tmp, 0o755)
-    lock: int | None = None
-    try:
-        lock = prep._hold(tmp)
+    with prep.building(data_dir, out) as tmp:
         splits = {}
         copies = {}
         for i, split in enumerate(("train", "valid", "test")):
@@ -272,13 +263,6 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
             "copies": {"dtype": "int32", "splits": copies},
         }
         write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
-        (tmp / prep.TEMP_LOCK).unlink()
-        prep._swap_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if lock is not None:
-            os.close(lock)
     return out
 
 
