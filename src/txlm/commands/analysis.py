@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, add_set_option
 from txlm.devices import resolve_device
 from txlm.errors import CheckpointError, ConfigError, DataError
 
@@ -407,15 +407,7 @@ def _register_memory(bench_sub: argparse._SubParsersAction) -> None:
     )
     mem.add_argument("--eval-tokens", type=int, default=None, help="valid tokens scored (all)")
     mem.add_argument("--seed", type=int, default=0)
-    mem.add_argument(
-        "--set",
-        dest="sets",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="txlm train overrides for every variant, e.g. model.d_model=128",
-    )
+    add_set_option(mem, "txlm train overrides for every variant, e.g. model.d_model=128")
     mem.add_argument(
         "--runs-dir", default=None, help="keep each variant's training run here (default: none)"
     )

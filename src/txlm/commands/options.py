@@ -19,3 +19,16 @@ def add_device_options(p: argparse.ArgumentParser, *, precision: bool = False) -
             help="autocast for the matmuls (fp16: GPU only); default fp32",
         )
     p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+
+
+def add_set_option(p: argparse.ArgumentParser, help: str) -> None:
+    """``--set KEY=VALUE ...``: dotted training-config overrides, collected in ``args.sets``."""
+    p.add_argument(
+        "--set",
+        dest="sets",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY=VALUE",
+        help=help,
+    )

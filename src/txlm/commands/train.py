@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from txlm.commands.options import add_set_option
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -34,15 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="F.yaml",
         help="YAML overrides (repeatable)",
     )
-    p.add_argument(
-        "--set",
-        dest="sets",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted overrides, e.g. optim.lr=1e-3 model.n_layer=2 data.batch_size=8",
-    )
+    add_set_option(p, "dotted overrides, e.g. optim.lr=1e-3 model.n_layer=2 data.batch_size=8")
     p.add_argument("--out", default=None, help="output directory (default runs/<preset>)")
     p.add_argument(
         "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
