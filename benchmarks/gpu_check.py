@@ -1,28 +1,31 @@
-"""One prepared run for a lent GPU: the CUDA path checked and timed (issue 7's GPU part).
+"""One prepared run for a lent GPU: the CUDA path checked and timed against issue 12's targets.
 
-    python benchmarks/gpu_check.py                        # cuda, the wt103-base shape, ~3 min
-    python benchmarks/gpu_check.py --device cpu --quick   # the same code on a tiny shape (CI)
+    python benchmarks/gpu_check.py --out $OUT/gpu_check.json   # cuda, ~5 min with compiles
+    python benchmarks/gpu_check.py --device cpu --quick        # the same code, tiny shape (CI)
 
-In order, into benchmarks/results/gpu_check.json (``--out``):
+Sections run in order of importance; each one is guarded (an error is recorded and the run
+goes on) and the JSON is rewritten after each, so a run cut short still reports what it
+measured. A section starts only while ``--budget-s`` seconds have not passed.
+
 1. parity: the same weights on the CPU and on the device in float32 (TF32 off), two segments
-   with memory: the largest |log p| difference;
-2. training, per precision (fp32 with TF32 off, tf32, bf16 autocast): ``--steps`` steps of the
-   preset's shape and batch with memory carried, Adam (fused, as ``txlm train``), clip 0.25,
-   on a synthetic stream whose next token is a fixed function of the current one (so the loss
-   must fall: a broken device path shows). Tokens/s over the steps after warm-up, FLOPs per
-   step counted by torch's FLOP counter, MFU against the matmul peak measured here in the same
-   precision, peak memory, first and last loss;
-3. attention candidates (the choice is made here, by measurement): bf16 training step and
-   evaluation forward with the fused kernel (SDPA, position term as an additive bias) and
-   with txlm's own math, each with the heads as they are and padded to a multiple of 8
-   (txlm.model.align); ms per step and the winner;
-4. evaluation: forward tokens/s with 4x the training memory, plain and with the K/V cache;
-5. generation: batch 1, ``--new`` tokens after a 512-token context, cached decoder, fp32 and
-   bf16, with and without the decoding step captured in a CUDA graph: tokens/s; how far
-   bf16's first-step log-probs are from fp32's, and the device's fp32 decoding from the CPU's;
-6. ``txlm generate`` end to end (a subprocess, as a user runs it) on the default
-   shakespeare-char model shape with random weights: tokens/s as the command reports it.
-Every figure is the device's own; nothing here compares against another library.
+   with memory: the largest |log p| difference (target <= 1e-4);
+2. the matmul peak per precision, measured here (the MFU denominator);
+3. per shape (wt103-base at 60 x 150, enwik8-base at 22 x 512, the paper's batches):
+   training in bf16 the way ``txlm train`` does it (bf16 compute copies of the fp32 master
+   weights, Adam fused, clip 0.25, memory carried) on a synthetic stream whose next token is
+   a fixed function of the current one, so the loss must fall on a working device path:
+   tokens/s, FLOPs per step (torch's counter), MFU, peak memory, first and last loss;
+   evaluation with 4x the training memory, plain and with the K/V cache;
+4. decoding, batch 1, after a 512-token context, wt103-base shape, fp32 and bf16, op by op
+   and replayed from a CUDA graph: tokens/s, bf16 against fp32, the device against the CPU;
+5. ``txlm generate`` end to end (a subprocess, as a user runs it) on the default
+   shakespeare-char shape with random weights, eager and ``--compile``;
+6. a profile: device kernels per bf16 training step and per decoded token, the top kernels;
+7. training compiled (``run.compile=auto`` is on for CUDA): compile seconds and tokens/s;
+8. training in fp32 (TF32 off) and tf32, and the attention candidates (SDPA with the
+   position term as a bias, or txlm's math; heads as they are or padded to a multiple of 8).
+Every figure is the device's own; nothing here compares against another library. ``targets``
+at the end sets each issue-12 target beside the figure that measures it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,15 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -45,13 +53,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import txlm
 from txlm.config import ModelConfig
-from txlm.data.vocab import write_text_atomic
+from txlm.data.vocab import Vocab, write_text_atomic
 from txlm.generate import CachedDecoder
 from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
+from txlm.training.precision import ComputeCopy
 
 RESULTS = Path(__file__).parent / "results" / "gpu_check.json"
-PRECISIONS = ("fp32", "tf32", "bf16")
+SHAPES = {"wt103-base": 60, "enwik8-base": 22}  # preset: batch rows (the paper's)
 SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size", "tgt_len",
                 "mem_len")  # fmt: skip
 
@@ -95,7 +104,7 @@ def matmul_peak(device: torch.device, name: str, n: int) -> float:
 
 def synthetic_stream(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
     """[batch, length] ids where each next id is (7 * id + 3) mod a 1000-word subset: easy to
-    learn, so the loss falls within a few hundred steps on a working device path."""
+    learn, so the loss falls within a few dozen steps on a working device path."""
     g = torch.Generator().manual_seed(seed)
     period = min(vocab, 1000)
     ids = torch.empty(batch, length, dtype=torch.long)
@@ -106,18 +115,40 @@ def synthetic_stream(vocab: int, batch: int, length: int, seed: int) -> torch.Te
 
 
 def build(
-    config: ModelConfig, device: torch.device, seed: int = 0, *, padded: bool = False
+    config: ModelConfig,
+    device: torch.device,
+    seed: int = 0,
+    *,
+    padded: bool = False,
+    exact: bool = False,
 ) -> txlm.TransformerXL:
+    """A model with seeded random weights, initialised on the device itself (fast), or on the
+    CPU and moved (``exact``: the same weights as a CPU build, for the parity figures)."""
     torch.manual_seed(seed)
-    model = txlm.TransformerXL(config)
+    with contextlib.nullcontext() if exact else torch.device(device):
+        model = txlm.TransformerXL(config)
     if padded:
         pad_heads(model, multiple=8)
     return model.to(device)
 
 
+def timed(fn: Callable[[], object], device: torch.device, steps: int, seconds: float) -> float:
+    """Median seconds per call of ``fn`` over up to ``steps`` calls or ``seconds`` of calls
+    (at least 3), the first fifth dropped as warm-up."""
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max(steps, 3) and (len(times) < 3 or time.perf_counter() - start < seconds):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[len(times) // 5 :])
+
+
 def parity(config: ModelConfig, device: torch.device) -> float:
     cpu = build(config, torch.device("cpu")).eval()
-    dev = build(config, torch.device("cpu")).to(device).eval()
+    dev = build(config, device, exact=True).eval()
     ids = torch.randint(0, config.vocab_size, (2, 2 * config.tgt_len))
     worst = 0.0
     with torch.no_grad(), precision(device, "fp32"):
@@ -139,65 +170,95 @@ def count_flops(fn: Callable[[], object]) -> int:
     return c.get_total_flops()
 
 
+class TrainStep:
+    """One training step as ``txlm train`` takes it: fp32 master weights and Adam (fused on
+    CUDA); bf16 runs forward and backward on the bf16 compute copy (training.precision);
+    ``compiled``: the forward model under ``torch.compile`` with this backend (inductor:
+    run.compile=auto on CUDA)."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, name: str, batch: int,
+                 *, compiled: str | None = None, padded: bool = False) -> None:  # fmt: skip
+        self.config, self.device, self.name, self.batch = config, device, name, batch
+        self.master = build(config, device, padded=padded).train()
+        self.copy = ComputeCopy(self.master, torch.bfloat16) if name == "bf16" else None
+        forward = self.master if self.copy is None else self.copy.model
+        self.forward = torch.compile(forward, backend=compiled) if compiled else forward
+        self.opt = torch.optim.Adam(self.master.parameters(), lr=2.5e-4,
+                                    fused=device.type == "cuda")  # fmt: skip
+        self.length = config.tgt_len * 64
+        self.stream = synthetic_stream(config.vocab_size, batch, self.length + 1, 1).to(device)
+        self.mems: list[Tensor] | None = None
+        self.t = 0
+
+    def __call__(self) -> float:
+        L = self.config.tgt_len
+        ids = self.stream[:, self.t : self.t + L]
+        labels = self.stream[:, self.t + 1 : self.t + 1 + L]
+        self.t = (self.t + L) % (self.length - L)
+        with precision(self.device, self.name):
+            out = self.forward(ids, mems=self.mems, labels=labels)
+            loss = out.loss.float()
+        loss.backward()
+        if self.copy is not None:
+            self.copy.gradients_to_master()
+        torch.nn.utils.clip_grad_norm_(self.master.parameters(), 0.25)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.copy is not None:
+            self.copy.refresh()
+        self.mems = out.mems
+        return loss.item()  # a sync per step, as a training loop's logging makes
+
+
 def train(
     config: ModelConfig,
     device: torch.device,
     name: str,
     batch: int,
     steps: int,
+    seconds: float,
     peak: float,
     *,
+    compiled: str | None = None,
     padded: bool = False,
 ) -> dict:
-    model = build(config, device, padded=padded).train()
-    opt = torch.optim.Adam(model.parameters(), lr=2.5e-4, fused=True)
-    length = config.tgt_len * (steps + 1)
-    stream = synthetic_stream(config.vocab_size, batch, length + 1, seed=1).to(device)
-    state: dict = {"mems": None, "t": 0}
-
-    def step() -> float:
-        t = state["t"]
-        ids = stream[:, t : t + config.tgt_len]
-        labels = stream[:, t + 1 : t + 1 + config.tgt_len]
-        state["t"] = (t + config.tgt_len) % (length - config.tgt_len)
-        opt.zero_grad(set_to_none=True)
-        with precision(device, name):
-            out = model(ids, mems=state["mems"], labels=labels)
-            loss = out.loss.float()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
-        opt.step()
-        state["mems"] = out.mems
-        return loss.item()  # a sync per step, as a training loop's logging makes
-
+    step = TrainStep(config, device, name, batch, compiled=compiled, padded=padded)
+    t0 = time.perf_counter()
     first = step()
-    flops = count_flops(step)
+    step()  # the step with memory: a compiled model's second graph
+    warmup = time.perf_counter() - t0
+    # FLOPs of a step with full memory (what every timed step is), counted eagerly
+    flops = step_flops(config, device, name, batch, padded) if compiled else count_flops(step)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    times, losses = [], []
-    for _ in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        losses.append(step())
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    sec = statistics.median(times[len(times) // 5 :])  # after warm-up
+    losses: list[float] = []
+    sec = timed(lambda: losses.append(step()), device, steps, seconds)
     row = {
         "precision": name,
+        "compiled": compiled or False,
         "padded_heads": padded,
-        "steps": steps + 2,
+        "timed_steps": len(losses),
         "tokens_per_s": round(batch * config.tgt_len / sec, 1),
         "ms_per_step": round(sec * 1e3, 2),
         "flops_per_step": flops,
         "tflops": round(flops / sec / 1e12, 4),
-        "mfu": round(flops / sec / 1e9 / peak, 3),
+        "mfu": round(flops / sec / 1e9 / peak, 4),
         "loss_first": round(first, 4),
-        "loss_last": round(statistics.mean(losses[-5:]), 4),
+        "loss_last": round(statistics.mean(losses[-3:]), 4),
     }
+    if compiled:
+        row["compile_and_first_steps_s"] = round(warmup, 1)
     row["loss_fell"] = row["loss_last"] < 0.9 * row["loss_first"]  # expected on a real run
     if device.type == "cuda":
         row["peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return row
+
+
+def step_flops(config: ModelConfig, device: torch.device, name: str, batch: int,
+               padded: bool) -> int:  # fmt: skip
+    step = TrainStep(config, device, name, batch, padded=padded)
+    step()  # the memory is full from the second step on
+    return count_flops(step)
 
 
 def evaluate(
@@ -207,28 +268,32 @@ def evaluate(
     mem: int,
     kv: bool,
     name: str,
-    segments: int = 6,
+    seconds: float,
     *,
     padded: bool = False,
 ) -> float:
+    """Forward tokens/s with memory ``mem`` (full: timed after mem // L warm-up segments)."""
     model = build(config, device, padded=padded).eval()
     model.set_lengths(mem_len=mem)
     runner = CachedEvaluator(model) if kv else None
-    ids = torch.randint(0, config.vocab_size, (batch, config.tgt_len * (segments + 4)))
-    ids = ids.to(device)
-    mems, times = None, []
+    warm = -(-mem // config.tgt_len)
+    segments = warm + 6
+    ids = torch.randint(0, config.vocab_size, (batch, config.tgt_len * segments), device=device)
+    state: dict = {"mems": None, "i": 0}
+
+    def segment() -> None:
+        seg = ids[:, (state["i"] % segments) * config.tgt_len :][:, : config.tgt_len]
+        state["i"] += 1
+        if runner is not None:
+            runner(seg, labels=seg)
+        else:
+            state["mems"] = model(seg, mems=state["mems"], labels=seg).mems
+
     with torch.no_grad(), precision(device, name):
-        for i, seg in enumerate(ids.split(config.tgt_len, dim=1)):
-            sync(device)
-            t0 = time.perf_counter()
-            if runner is not None:
-                runner(seg, labels=seg)
-            else:
-                mems = model(seg, mems=mems, labels=seg).mems
-            sync(device)
-            if i >= 4:  # memory full from here on (mem <= 4 segments in the default shapes)
-                times.append(time.perf_counter() - t0)
-    return round(batch * config.tgt_len / statistics.median(times), 1)
+        for _ in range(warm):
+            segment()
+        sec = timed(segment, device, 6, seconds)
+    return round(batch * config.tgt_len / sec, 1)
 
 
 def generate(
@@ -244,7 +309,7 @@ def generate(
     """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps (to compare
     precisions and devices on the same prompt). ``graph``: the step replayed from a CUDA
     graph (CachedDecoder's default on CUDA), else launched op by op."""
-    model = build(config, device, padded=padded).eval()
+    model = build(config, device, padded=padded, exact=True).eval()
     model.set_lengths(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
@@ -262,8 +327,57 @@ def generate(
     return round(new / (time.perf_counter() - t0), 1), torch.stack(rows).float().cpu()
 
 
+def kernels(fn: Callable[[], object], device: torch.device, top: int = 8) -> dict:
+    """Device kernels (CPU: operators) one call of ``fn`` launches, and the costliest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    fn()  # warm
+    sync(device)
+    with profile(activities=activities) as prof:
+        fn()
+        sync(device)
+    if cuda:
+        events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        cost = Counter({e.name: 0.0 for e in events})
+        for e in events:
+            cost[e.name] += e.self_device_time_total
+    else:
+        events = [e for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+        cost = Counter({e.name: 0.0 for e in events})
+        for e in events:
+            cost[e.name] += e.cpu_time_total
+    total = sum(cost.values())
+    return {
+        "count": len(events),
+        "busy_ms": round(total / 1e3, 3),
+        "top": [
+            {"name": k[:120], "ms": round(v / 1e3, 3), "share": round(v / max(total, 1e-9), 3)}
+            for k, v in cost.most_common(top)
+        ],
+    }
+
+
+def profile(config: ModelConfig, device: torch.device, batch: int, context: int) -> dict:
+    step = TrainStep(config, device, "bf16" if device.type == "cuda" else "fp32", batch)
+    step()
+    model = build(config, device).eval()
+    model.set_lengths(mem_len=max(config.mem_len, context))
+    prompt = torch.randint(0, config.vocab_size, (context,)).tolist()
+    with torch.no_grad():
+        dec = CachedDecoder(model, cuda_graph=False)
+        state = {"logp": dec.prefill([prompt])}
+
+        def token() -> None:
+            state["logp"] = dec.step(state["logp"].argmax(-1))
+
+        decoded = kernels(token, device)
+    return {"train_step_bf16": kernels(step, device), "decode_token_fp32_eager": decoded}
+
+
 def attention_choice(
-    config: ModelConfig, device: torch.device, batch: int, steps: int, peak: float
+    config: ModelConfig, device: torch.device, batch: int, steps: int, seconds: float, peak: float
 ) -> dict:
     """bf16 (fp32 on a CPU) training step and 4x-memory evaluation, per attention kernel
     and head padding; the fastest of each wins."""
@@ -274,8 +388,9 @@ def attention_choice(
         for padded in (False, True):
             if padded and config.d_head % 8 == 0:
                 continue
-            t = train(cfg, device, name, batch, steps, peak, padded=padded)
-            e = evaluate(cfg, device, batch, 4 * config.mem_len, False, name, padded=padded)
+            t = train(cfg, device, name, batch, steps, seconds, peak, padded=padded)
+            e = evaluate(cfg, device, batch, 4 * config.mem_len, False, name, seconds,
+                         padded=padded)  # fmt: skip
             rows.append(
                 {"attn_impl": impl, "padded_heads": padded, "train_ms_per_step": t["ms_per_step"],
                  "train_mfu": t["mfu"], "eval_tokens_per_s": e}
@@ -293,13 +408,6 @@ def attention_choice(
 def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
     """``txlm generate`` as a user runs it (a new process: imports, checkpoint load, prompt,
     decoding, text out), on the default model's shape; tokens/s as the command reports it."""
-    import os
-    import subprocess
-    import tempfile
-    from collections import Counter
-
-    from txlm.data.vocab import Vocab
-
     vocab = Vocab.build_char(
         Counter("abcdefghijklmnopqrstuvwxyz ,.;:!?'\nABCDEFGHIJKLMNOPQRSTUVWXYZ")
     )
@@ -318,20 +426,113 @@ def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
             wall = time.perf_counter() - t0
             key = "compiled" if compiled else "eager"
             if run.returncode != 0:
-                out[key] = {"error": run.stderr.strip().splitlines()[-1:]}
+                out[key] = {"error": run.stderr.strip().splitlines()[-3:]}
                 continue
             report = json.loads(run.stdout)
             out[key] = {"tokens_per_s": report["tokens_per_s"], "process_wall_s": round(wall, 2)}
     return out
 
 
+def targets(result: dict) -> list[dict]:
+    """Issue 12's targets beside the figures measured here (None: not measured)."""
+
+    def get(*path: str | int) -> float | None:
+        node = result
+        for key in path:
+            try:
+                node = node[key]
+            except (KeyError, IndexError, TypeError):
+                return None
+        return node if isinstance(node, int | float) else None
+
+    def best_train(shape: str, key: str) -> float | None:
+        rows = [r for r in get_rows(shape) if r.get("precision") == "bf16"]
+        return max((r[key] for r in rows), default=None)
+
+    def get_rows(shape: str) -> list[dict]:
+        rows = result.get("shapes", {}).get(shape, {}).get("train", [])
+        return rows if isinstance(rows, list) else []
+
+    decode = [v for k, v in result.get("generate_tokens_per_s", {}).items() if k.startswith("bf16")
+              or k.startswith("fp32")]  # fmt: skip
+    cli = result.get("txlm_generate_cli", {})
+    cli_rates = [v["tokens_per_s"] for v in cli.values() if isinstance(v, dict) and
+                 "tokens_per_s" in v]  # fmt: skip
+    rows = [
+        ("wt103-base training bf16, tokens/s", ">=", 300_000,
+         best_train("wt103-base", "tokens_per_s")),
+        ("wt103-base training bf16, MFU", ">=", 0.15, best_train("wt103-base", "mfu")),
+        ("enwik8-base training bf16, MFU", ">=", 0.30, best_train("enwik8-base", "mfu")),
+        ("decoding, batch 1, mem 512, wt103-base, tokens/s", ">=", 3000, max(decode, default=None)),
+        ("txlm generate, default model, tokens/s", ">=", 1000, max(cli_rates, default=None)),
+        ("eval 4x memory wt103-base bf16, tokens/s (2x of 83k)", ">=", 166_000,
+         _best_eval(result, "wt103-base")),
+        ("eval 4x memory enwik8-base bf16, tokens/s (2x of 121k)", ">=", 242_000,
+         _best_eval(result, "enwik8-base")),
+        ("fp32 parity with the CPU, max |log p| diff", "<=", 1e-4,
+         get("parity_max_abs_logprob_diff_vs_cpu")),
+    ]  # fmt: skip
+    out = []
+    for what, op, want, got in rows:
+        met = None if got is None else (got >= want if op == ">=" else got <= want)
+        out.append({"target": what, "want": f"{op} {want}", "measured": got, "met": met})
+    return out
+
+
+def _best_eval(result: dict, shape: str) -> float | None:
+    ev = result.get("shapes", {}).get(shape, {}).get("eval", {})
+    rates = [v for k, row in ev.items() if k.startswith("bf16") and isinstance(row, dict)
+             for v in row.values() if isinstance(v, int | float)]  # fmt: skip
+    return max(rates, default=None)
+
+
+class Run:
+    """The sections, each guarded and timed, the JSON rewritten after each."""
+
+    def __init__(self, out: Path, budget_s: float, *, targets: bool, only: list[str]) -> None:
+        self.out, self.budget_s, self.targets, self.only = out, budget_s, targets, only
+        self.start = time.perf_counter()
+        self.result: dict = {"budget_s": budget_s, "sections_s": {}, "errors": {}, "skipped": []}
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def section(self, name: str, fn: Callable[[], object], into: dict | None = None) -> None:
+        """``into[name] = fn()`` (``into``: the result by default; a None result is not
+        stored) unless the budget is spent; an exception is recorded and the run goes on."""
+        if self.only and not any(word in name for word in self.only):
+            return
+        if self.elapsed() > self.budget_s:
+            self.result["skipped"].append(name)
+            return
+        t0 = time.perf_counter()
+        try:
+            value = fn()
+            if value is not None:
+                (self.result if into is None else into)[name] = value
+        except Exception as exc:  # a device failure is a finding, not the end of the run
+            self.result["errors"][name] = traceback.format_exception_only(exc)[-1].strip()
+            print(traceback.format_exc(), file=sys.stderr)
+        self.result["sections_s"][name] = round(time.perf_counter() - t0, 1)
+        print(f"gpu_check: {name} ({self.result['sections_s'][name]} s)", file=sys.stderr)
+        self.save()
+
+    def save(self) -> None:
+        if self.targets:  # the issue's shapes only (not --quick's)
+            self.result["targets"] = targets(self.result)
+        self.result["wall_s"] = round(self.elapsed(), 1)
+        write_text_atomic(self.out, json.dumps(self.result, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--preset", default="wt103-base")
-    ap.add_argument("--batch", type=int, default=60, help="rows per step (the paper's wt103: 60)")
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--new", type=int, default=128, help="generated tokens per measurement")
+    ap.add_argument("--seconds", type=float, default=4.0, help="timing per measurement")
+    ap.add_argument("--new", type=int, default=256, help="generated tokens per measurement")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="no section starts after this many seconds")  # fmt: skip
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="run only the sections whose names hold one of these words")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="tiny shape, few steps (a smoke run)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -339,60 +540,99 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here", file=sys.stderr)
         return 2
-    start = time.perf_counter()
     if args.quick:
-        config = ModelConfig.from_preset("debug", d_head=6)  # 6: the padded heads run too
-        batch, steps, new, peak_n = 2, 3, 4, 256
-        precisions = ("fp32", "bf16")
+        # d_head 6: the padded heads run too
+        shapes = {"debug": (ModelConfig.from_preset("debug", d_head=6), 2)}
+        steps, seconds, new, peak_n, context = 3, 0.0, 4, 256, 32
     else:
-        config = ModelConfig.from_preset(args.preset)
-        batch, steps, new, peak_n = args.batch, args.steps, args.new, 8192
-        precisions = PRECISIONS if device.type == "cuda" else ("fp32", "bf16")
+        shapes = {p: (ModelConfig.from_preset(p), b) for p, b in SHAPES.items()}
+        steps, seconds, new, peak_n, context = 200, args.seconds, args.new, 8192, 512
+    first = next(iter(shapes))
+    cuda = device.type == "cuda"
+    precisions = ("fp32", "tf32", "bf16") if cuda else ("fp32", "bf16")
+    run = Run(args.out, args.budget_s, targets=not args.quick, only=args.only)
+    r = run.result
+    r.update(device=torch.cuda.get_device_name(device) if cuda else "cpu",
+             torch=torch.__version__, machine=platform.machine())  # fmt: skip
+    r["shapes"] = {p: {"model": {k: getattr(c, k) for k in SHAPE_FIELDS}, "batch": b, "train": []}
+                   for p, (c, b) in shapes.items()}  # fmt: skip
+    config0, batch0 = shapes[first]
 
-    peaks = {p: round(matmul_peak(device, p, peak_n), 1) for p in precisions}
-    result: dict = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "preset": "debug" if args.quick else args.preset,
-        "model": {k: getattr(config, k) for k in SHAPE_FIELDS},
-        "batch": batch,
-        "matmul_peak_gflops": peaks,
-        "parity_max_abs_logprob_diff_vs_cpu": parity(config, device),
-        "train": [train(config, device, p, batch, steps, peaks[p]) for p in precisions],
-    }
-    mem = 4 * config.mem_len
-    result["eval"] = {
-        f"{p}_mem{mem}": {
-            "tokens_per_s": evaluate(config, device, batch, mem, False, p),
-            "kv_cache_tokens_per_s": evaluate(config, device, batch, mem, True, p),
-        }
-        for p in precisions
-    }
-    result["attention"] = attention_choice(config, device, batch, max(steps // 4, 2), peaks[
-        "bf16" if device.type == "cuda" else "fp32"])  # fmt: skip
-    graphs = (False, True) if device.type == "cuda" else (False,)
-    decoded = {
-        (p, g): generate(config, device, p, new, graph=g) for p in ("fp32", "bf16") for g in graphs
-    }
-    result["generate_tokens_per_s"] = {
-        p + ("_cuda_graph" if g else ""): rate for (p, g), (rate, _) in decoded.items()
-    }
-    # bf16 against fp32 on the same prompt, first step (later ones may follow other tokens)
-    first = [decoded[p, False][1][0] for p in ("fp32", "bf16")]
-    result["generate_bf16_first_step_max_abs_logprob_diff"] = (
-        (first[0] - first[1]).abs().max().item()
-    )
-    # the device's fp32 decoding (graph-replayed on CUDA) against the CPU's, every step
-    _, cpu_logp = generate(config, torch.device("cpu"), "fp32", min(new, 16))
-    dev_logp = decoded["fp32", graphs[-1]][1][: cpu_logp.size(0)]
-    result["generate_parity_max_abs_logprob_diff_vs_cpu"] = (dev_logp - cpu_logp).abs().max().item()
-    result["txlm_generate_cli"] = generate_cli(device, 64 if args.quick else 1000, args.quick)
-    result["wall_s"] = round(time.perf_counter() - start, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    write_text_atomic(args.out, text + "\n")
-    return 0
+    run.section("parity_max_abs_logprob_diff_vs_cpu", lambda: parity(config0, device))
+    peaks_of = lambda: {p: round(matmul_peak(device, p, peak_n), 1) for p in precisions}  # noqa: E731
+    run.section("matmul_peak_gflops", peaks_of)
+    peaks = r.get("matmul_peak_gflops") or {p: math.nan for p in precisions}
+
+    def add_train(shape: str, name: str, compiled: str | None = None) -> Callable[[], None]:
+        config, batch = shapes[shape]
+
+        def go() -> None:
+            row = train(config, device, name, batch, steps, seconds, peaks[name],
+                        compiled=compiled)  # fmt: skip
+            r["shapes"][shape]["train"].append(row)
+
+        return go
+
+    def add_eval(shape: str) -> Callable[[], None]:
+        config, batch = shapes[shape]
+        m = 4 * config.mem_len
+
+        def go() -> None:
+            r["shapes"][shape]["eval"] = {
+                f"{p}_mem{m}": {
+                    "tokens_per_s": evaluate(config, device, batch, m, False, p, seconds),
+                    "kv_cache_tokens_per_s": evaluate(config, device, batch, m, True, p, seconds),
+                }
+                for p in ("bf16", "fp32")
+            }
+
+        return go
+
+    for shape in shapes:
+        run.section(f"{shape} train bf16", add_train(shape, "bf16"))
+        run.section(f"{shape} eval", add_eval(shape))
+
+    decoded: dict = {}  # (precision, graph) -> (tokens/s, log-probs [new, V])
+    rates = r.setdefault("generate_tokens_per_s", {})
+    graphs = (False, True) if cuda else (False,)
+    for p in ("fp32", "bf16"):
+        for g in graphs:
+            key = p + ("_cuda_graph" if g else "")
+
+            def decode(p: str = p, g: bool = g, key: str = key) -> None:
+                decoded[p, g] = generate(config0, device, p, new, context, graph=g)
+                rates[key] = decoded[p, g][0]
+
+            run.section(f"decode {key}", decode)
+
+    def decode_parity() -> None:
+        first_rows = [decoded[p, False][1][0] for p in ("fp32", "bf16")]
+        r["generate_bf16_first_step_max_abs_logprob_diff"] = (
+            (first_rows[0] - first_rows[1]).abs().max().item()
+        )
+        _, cpu_logp = generate(config0, torch.device("cpu"), "fp32", min(new, 16), context)
+        for g in graphs:  # the device's fp32 decoding, op by op and replayed, against the CPU's
+            dev_logp = decoded["fp32", g][1][: cpu_logp.size(0)]
+            key = "generate_parity_max_abs_logprob_diff_vs_cpu" + ("_cuda_graph" if g else "")
+            r[key] = (dev_logp - cpu_logp).abs().max().item()
+
+    run.section("decode parity", decode_parity)
+    run.section("txlm_generate_cli", lambda: generate_cli(device, 64 if args.quick else 1000,
+                                                          args.quick))  # fmt: skip
+    run.section("profile", lambda: profile(config0, device, batch0, context))
+    run.section("attention", lambda: attention_choice(
+        config0, device, batch0, max(steps // 4, 2), seconds / 2,
+        peaks["bf16" if cuda else "fp32"]))  # fmt: skip
+    for shape in shapes:  # on the CPU (--quick) with dynamo alone: the code runs, fast
+        backend = "inductor" if cuda else "eager"
+        run.section(f"{shape} train bf16 compiled", add_train(shape, "bf16", compiled=backend))
+    for p in precisions:
+        if p != "bf16":
+            run.section(f"{first} train {p}", add_train(first, p))
+    run.save()
+    print(json.dumps({"targets": r.get("targets"), "errors": r["errors"], "skipped": r["skipped"],
+                      "wall_s": r["wall_s"]}, indent=2))  # fmt: skip
+    return 1 if r["errors"] else 0
 
 
 if __name__ == "__main__":

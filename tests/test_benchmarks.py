@@ -74,19 +74,27 @@ def test_compare_quick_run_writes_ratios(tmp_path):
 
 
 def test_gpu_check_script_runs_on_the_cpu(tmp_path):
-    """The prepared device script (benchmarks/gpu_check.py) runs end to end on a tiny shape,
-    so a session that is lent a GPU can run it as it is."""
+    """The prepared device script (benchmarks/gpu_check.py) runs every section end to end on
+    a tiny shape, so a session that is lent a GPU can run it as it is."""
     out = tmp_path / "gpu.json"
     assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["errors"] == {} and result["skipped"] == []
     assert result["parity_max_abs_logprob_diff_vs_cpu"] == 0.0  # CPU against itself
-    assert [r["precision"] for r in result["train"]] == ["fp32", "bf16"]
-    for row in result["train"]:
+    shape = result["shapes"]["debug"]
+    rows = [(r["precision"], r["compiled"]) for r in shape["train"]]
+    assert rows == [("bf16", False), ("bf16", "eager"), ("fp32", False)]
+    for row in shape["train"]:
         assert row["tokens_per_s"] > 0 and row["flops_per_step"] > 1e6
         assert math.isfinite(row["loss_first"]) and math.isfinite(row["loss_last"])
-    assert all(v["kv_cache_tokens_per_s"] > 0 for v in result["eval"].values())
+    # the compiled step is the same arithmetic: the same FLOPs and the same first loss
+    assert shape["train"][1]["flops_per_step"] == shape["train"][0]["flops_per_step"]
+    assert shape["train"][1]["loss_first"] == shape["train"][0]["loss_first"]
+    assert all(v["kv_cache_tokens_per_s"] > 0 for v in shape["eval"].values())
     assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}  # no CUDA graph on a CPU
     assert result["generate_parity_max_abs_logprob_diff_vs_cpu"] == 0.0
+    for what in ("train_step_bf16", "decode_token_fp32_eager"):
+        assert result["profile"][what]["count"] > 10 and result["profile"][what]["top"]
     attention = result["attention"]
     assert {(r["attn_impl"], r["padded_heads"]) for r in attention["candidates"]} == {
         ("sdpa", False),
@@ -99,6 +107,41 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         for r in attention["candidates"]
     ]
     assert result["txlm_generate_cli"]["eager"]["tokens_per_s"] > 0
+
+
+def test_gpu_check_records_a_failing_section_and_goes_on(tmp_path, monkeypatch):
+    """A section that raises (a device failure) is recorded; the later sections still run
+    and the JSON is written; the exit code says something failed."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "evaluate", broken)
+    out = tmp_path / "gpu.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["errors"]["debug eval"].startswith("RuntimeError: CUDA error")
+    assert "eval" not in result["shapes"]["debug"]
+    assert result["generate_tokens_per_s"]["fp32"] > 0  # a later section
+
+
+def test_gpu_check_targets_read_the_measured_figures():
+    wt103 = {
+        "train": [{"precision": "bf16", "tokens_per_s": 310_000.0, "mfu": 0.12}],
+        "eval": {"bf16_mem600": {"tokens_per_s": 1.0, "kv_cache_tokens_per_s": 170_000.0}},
+    }
+    result = {
+        "shapes": {"wt103-base": wt103},
+        "generate_tokens_per_s": {"fp32": 900.0, "bf16_cuda_graph": 3100.0},
+        "parity_max_abs_logprob_diff_vs_cpu": 2e-4,
+    }
+    got = {t["target"]: (t["measured"], t["met"]) for t in gpu_check.targets(result)}
+    assert got["wt103-base training bf16, tokens/s"] == (310_000.0, True)
+    assert got["wt103-base training bf16, MFU"] == (0.12, False)
+    assert got["enwik8-base training bf16, MFU"] == (None, None)
+    assert got["decoding, batch 1, mem 512, wt103-base, tokens/s"] == (3100.0, True)
+    assert got["eval 4x memory wt103-base bf16, tokens/s (2x of 83k)"] == (170_000.0, True)
+    assert got["fp32 parity with the CPU, max |log p| diff"] == (2e-4, False)
 
 
 def test_gpu_check_synthetic_stream_is_a_fixed_function():
