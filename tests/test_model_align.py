@@ -142,3 +142,67 @@ def test_cached_decoding_on_padded_heads() -> None:
     torch.testing.assert_close(b.prefill(prompt), a.prefill(prompt), atol=1e-6, rtol=0)
     for t in cont:
         torch.testing.assert_close(b.step(t.view(1)), a.step(t.view(1)), atol=1e-6, rtol=0)
+
+
+# -- the trainer and checkpoints with padded heads (run.align_heads; auto pads on CUDA) ------
+def _train(tmp_path, out, *sets, resume=None):
+    from _train_helpers import tiny_text
+    from txlm.train import Trainer
+    from txlm.train_config import resolve
+
+    text = tiny_text(tmp_path, n_chars=6000)
+    config = resolve("debug", None, [
+        f"data.dataset=text:{text}", f"data.data_dir={tmp_path / 'data'}", "model.d_head=6",
+        "model.dropout=0.0", "optim.max_steps=4", "eval.eval_interval=0",
+        "eval.final_eval=false", "run.tensorboard=false", "run.progress=false",
+        "run.threads=1", *sets,
+    ])  # fmt: skip
+    trainer = Trainer(config, tmp_path / out, resume=resume, echo=False)
+    trainer.fit()
+    return trainer
+
+
+def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_path):
+    """run.align_heads=true: the heads are stored padded (6 -> 8 dims) while training, the
+    run follows the unpadded one's weights, and every file of ``last`` (weights and Adam's
+    moments) holds the real shapes. A run resumed without padding from a padded run's
+    ``last`` continues where it stopped, and ``txlm.load`` pads on request."""
+    from safetensors.torch import load_file
+
+    from txlm import checkpoint
+    from txlm.model.align import padded_axes
+
+    plain = _train(tmp_path, "plain", "run.align_heads=false")
+    padded = _train(tmp_path, "padded", "run.align_heads=true")
+    assert padded.model.layers[0].attn.d_head == 8 and plain.model.layers[0].attn.d_head == 6
+    assert padded_axes(padded.model) and not padded_axes(plain.model)
+    want = plain.model.state_dict()
+    for name, value in padded.model.state_dict().items():  # real shapes (hooks strip)
+        torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
+    assert padded.model.layers[0].attn.qkv.weight.shape == (3 * 2 * 8, 32)
+
+    saved = load_file(str(tmp_path / "padded" / "last" / "optimizer.safetensors"))
+    reference = load_file(str(tmp_path / "plain" / "last" / "optimizer.safetensors"))
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in reference.items()}
+    for name, value in saved.items():
+        torch.testing.assert_close(value, reference[name], rtol=0, atol=1e-5, msg=name)
+
+    # padded for 2 steps, then resumed unpadded (as on a CPU after a GPU): the same run
+    _train(tmp_path, "paused", "run.align_heads=true", "run.stop_at=2")
+    resumed = _train(tmp_path, "resumed", "run.align_heads=false",
+                     resume=tmp_path / "paused" / "last")  # fmt: skip
+    assert resumed.model.layers[0].attn.d_head == 6
+    for name, value in resumed.model.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
+    # and the other way: unpadded to padded, exact moments padded with zeros
+    _train(tmp_path, "paused2", "run.align_heads=false", "run.stop_at=2")
+    again = _train(tmp_path, "again", "run.align_heads=true", resume=tmp_path / "paused2" / "last")
+    for name, value in again.model.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
+    state = again.optimizer.state[again.model.layers[0].attn.qkv.weight]
+    assert state["exp_avg"].shape == (48, 32)
+    assert not state["exp_avg"].view(3, 2, 8, 32)[:, :, 6:].any()  # padding stays zero
+
+    loaded = checkpoint.load(tmp_path / "plain" / "last", align_heads=True)
+    assert loaded.layers[0].attn.d_head == 8
+    assert checkpoint.load(tmp_path / "plain" / "last").layers[0].attn.d_head == 6  # auto: CPU

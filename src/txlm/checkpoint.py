@@ -31,7 +31,7 @@ from safetensors.torch import load_model, save_model
 
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, ConfigError
-from txlm.model import TransformerXL
+from txlm.model import TransformerXL, align
 
 FORMAT = "txlm"
 FORMAT_VERSION = 1
@@ -291,8 +291,11 @@ def _rough_parameter_count(c: ModelConfig) -> int:
     return c.n_layer * per_layer + 2 * c.vocab_size * max(c.d_embed, c.d_model)
 
 
-def load(directory: str | Path, *, device: str | torch.device = "cpu") -> TransformerXL:
-    """A model in eval mode from a checkpoint directory."""
+def load(
+    directory: str | Path, *, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
+) -> TransformerXL:
+    """A model in eval mode from a checkpoint directory. ``align_heads``: store the heads
+    padded to a multiple of 8 dims (``txlm.model.align``; auto: on CUDA, where it pays)."""
     directory = resolve(directory)
     data = read_config(directory)
     try:
@@ -330,6 +333,8 @@ def load(directory: str | Path, *, device: str | torch.device = "cpu") -> Transf
             f"{weights} does not match its config.json "
             f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
         )
+    if align.wanted(align_heads, torch.device(device), config.d_head):
+        align.pad_heads(model)
     return model.eval()
 
 

@@ -13,10 +13,16 @@ zero too (each is a product with a zero factor), so Adam (and weight decay) leav
 zero: the model trains as the unpadded one would (tests/test_model_align.py).
 
 Checkpoints keep the real shapes: ``state_dict`` strips the padding and ``load_state_dict``
-accepts either form. Pad after building or loading the model and before making the
-optimizer (its state then has the padded shapes).
+accepts either form; ``txlm.training.state`` does the same for Adam's moments, so a run can
+resume on a device that pads differently. Pad after building or loading the model and
+before making the optimizer (its state then has the padded shapes).
 
     model = pad_heads(TransformerXL(config), multiple=8)   # in place; returns the model
+
+Where it pays: on CUDA, measured on an H200 (benchmarks/results/gpu_check.json, section
+"attention"): wt103-base's bf16 training step 15% faster and its evaluation with 4x memory
+1.56x, because SDPA then runs a fused kernel. On a CPU the extra dims are only extra work.
+So ``wanted("auto", ...)`` pads on CUDA only, and ``txlm.load`` and the trainer ask it.
 """
 
 from __future__ import annotations
@@ -67,6 +73,39 @@ def _param(module: nn.Module, name: str) -> Tensor:
     for part in name.split("."):
         module = getattr(module, part)
     return module  # type: ignore[return-value]
+
+
+def wanted(setting: bool | str, device: torch.device, d_head: int, multiple: int = 8) -> bool:
+    """Pad? ``setting``: true, false or "auto" (on CUDA when d_head is not a multiple)."""
+    if d_head % multiple == 0:
+        return False
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
+
+
+def padded_axes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Parameter name -> (axis, real head dim, stored head dim) of each padded parameter."""
+    d_head = model.config.d_head
+    d_pad = model.layers[0].attn.d_head
+    if d_pad == d_head:
+        return {}
+    params = dict(model.named_parameters())
+    names = [
+        f"layers.{i}.attn.{name}" for i in range(len(model.layers)) for name in _ATTENTION_AXES
+    ]
+    axes = {n: _ATTENTION_AXES[n.split(".attn.")[1]] for n in names} | _MODEL_AXES
+    return {n: (axis, d_head, d_pad) for n, axis in axes.items() if n in params}
+
+
+def strip(t: Tensor, axis: int, d_head: int, d_pad: int) -> Tensor:
+    """A padded parameter-shaped tensor in its real shape (the padding dropped)."""
+    return _resize(t, axis, d_pad, d_head).contiguous()
+
+
+def pad(t: Tensor, axis: int, d_head: int, d_pad: int) -> Tensor:
+    """A real-shaped tensor padded with zeros to the stored shape."""
+    return _resize(t, axis, d_head, d_pad)
 
 
 @torch.no_grad()

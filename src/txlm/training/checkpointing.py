@@ -67,7 +67,7 @@ def save_run(t: Trainer, kind: str) -> None:
         if resume_state is None:
             return
         state, memory = resume_state
-        save_optimizer(t.optimizer, tmp / OPTIMIZER_FILE)
+        save_optimizer(t.optimizer, tmp / OPTIMIZER_FILE, t.model)
         save_file(memory, str(tmp / MEMORY_FILE))
         checkpoint.write_json(tmp / STATE_FILE, state)
 
@@ -144,7 +144,7 @@ def load_run(t: Trainer, directory: Path) -> None:
     # a pickle under the name): whatever reading it raises becomes one CheckpointError that
     # names the file, never a traceback.
     with _reading(directory / OPTIMIZER_FILE):
-        load_optimizer(t.optimizer, directory / OPTIMIZER_FILE)
+        load_optimizer(t.optimizer, directory / OPTIMIZER_FILE, t.model)
     with _reading(directory / STATE_FILE):
         state = json.loads((directory / STATE_FILE).read_text(encoding="utf-8"))
         if not isinstance(state, dict):

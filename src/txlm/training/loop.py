@@ -50,7 +50,7 @@ from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
 from txlm.evaluate import autocast, evaluate_tokens
-from txlm.model import TransformerXL
+from txlm.model import TransformerXL, align
 from txlm.train_config import TrainConfig
 from txlm.training.checkpointing import TrainingError, load_run, save_run
 from txlm.training.metrics import MetricsLog, ProgressReport
@@ -126,6 +126,8 @@ class Trainer:
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
         self.model = TransformerXL(self.model_config).to(self.device)
+        if align.wanted(r.align_heads, self.device, self.model_config.d_head):
+            align.pad_heads(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
         self.optimizer = self._build_optimizer()
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")

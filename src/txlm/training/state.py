@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from txlm.errors import CheckpointError
+from txlm.model import align
 
 
 @dataclass
@@ -120,14 +121,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # -- optimizer ------------------------------------------------------------------------------
-def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Adam's per-parameter tensors in safetensors, its hyper-parameters as JSON metadata."""
+def _padding(model: nn.Module | None) -> dict[int, tuple[int, int, int]]:
+    """Optimizer state index -> padding of that parameter (``txlm.model.align``): the
+    optimizer holds ``list(model.parameters())``, the order of ``named_parameters``."""
+    if model is None:
+        return {}
+    axes = align.padded_axes(model)
+    return {i: axes[n] for i, (n, _) in enumerate(model.named_parameters()) if n in axes}
+
+
+def save_optimizer(
+    optimizer: torch.optim.Optimizer, path: Path, model: nn.Module | None = None
+) -> None:
+    """Adam's per-parameter tensors in safetensors, its hyper-parameters as JSON metadata.
+    Moments of padded heads are saved in the real shapes, as the model's weights are."""
     sd = optimizer.state_dict()
+    padding = _padding(model)
     tensors: dict[str, Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for idx, pstate in sd["state"].items():
         for key, value in pstate.items():
             if isinstance(value, Tensor):
+                if idx in padding and value.dim() > 0:
+                    value = align.strip(value, *padding[idx])
                 tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(idx), {})[key] = value
@@ -135,7 +151,9 @@ def save_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_optimizer(
+    optimizer: torch.optim.Optimizer, path: Path, model: nn.Module | None = None
+) -> None:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
@@ -143,9 +161,12 @@ def load_optimizer(optimizer: torch.optim.Optimizer, path: Path) -> None:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     if "param_groups" not in meta:
         raise CheckpointError(f"{path} lacks the optimizer's param_groups metadata")
+    padding = _padding(model)
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         idx, key = name.split(".", 1)
+        if int(idx) in padding and value.dim() > 0:
+            value = align.pad(value, *padding[int(idx)])
         state.setdefault(int(idx), {})[key] = value
     for idx, extra in json.loads(meta.get("scalars", "{}")).items():
         state.setdefault(int(idx), {}).update(extra)
