@@ -144,6 +144,11 @@ def test_subprocess_generate_streams_seeded_text(char_ckpt) -> None:
     model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
     [ids] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)
     assert result["sample_ids"][0] == ids  # the CLI is the library
+    # the rate is the decoding's, after the first token (which a --compile run compiles)
+    assert 0 < result["first_token_s"] < result["seconds"]
+    rate = 29 / (result["seconds"] - result["first_token_s"])
+    assert result["tokens_per_s"] == pytest.approx(rate, rel=1e-2)
+    assert "the first after" in first.stderr
     bad = _cli("generate", str(char_ckpt), "--prompt", "x", "--top-p", "2")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
 
