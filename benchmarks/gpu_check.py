@@ -19,11 +19,15 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
 4. decoding, batch 1, after a 512-token context, wt103-base shape, fp32 and bf16, op by op
    and replayed from a CUDA graph: tokens/s, bf16 against fp32, the device against the CPU;
 5. ``txlm generate`` end to end (a subprocess, as a user runs it) on the default
-   shakespeare-char shape with random weights, eager and ``--compile``;
+   shakespeare-char shape with random weights, eager and ``--compile``: the decoding rate
+   after the first token, and the first token's time;
 6. a profile: device kernels per bf16 training step and per decoded token, the top kernels;
 7. training compiled (``run.compile=auto`` is on for CUDA): compile seconds and tokens/s;
-8. training in fp32 (TF32 off) and tf32, and the attention candidates (SDPA with the
-   position term as a bias, or txlm's math; heads as they are or padded to a multiple of 8).
+   decoding compiled (``txlm generate --compile``);
+8. the attention candidates (SDPA with the position term as a bias, or txlm's math; heads as
+   they are or padded to a multiple of 8), and training in fp32 (TF32 off) and tf32.
+Models are built as txlm builds them on the device: on CUDA, heads padded to a multiple of 8
+(``txlm.model.align``, chosen by section 8's measurement) unless a row says otherwise.
 Every figure is the device's own; nothing here compares against another library. ``targets``
 at the end sets each issue-12 target beside the figure that measures it.
 """
@@ -55,6 +59,7 @@ import txlm
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, write_text_atomic
 from txlm.generate import CachedDecoder
+from txlm.model import align
 from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.training.precision import ComputeCopy
@@ -119,14 +124,17 @@ def build(
     device: torch.device,
     seed: int = 0,
     *,
-    padded: bool = False,
+    padded: bool | None = None,
     exact: bool = False,
 ) -> txlm.TransformerXL:
     """A model with seeded random weights, initialised on the device itself (fast), or on the
-    CPU and moved (``exact``: the same weights as a CPU build, for the parity figures)."""
+    CPU and moved (``exact``: the same weights as a CPU build, for the parity figures).
+    ``padded``: heads padded to a multiple of 8; None: as txlm does it here (on CUDA)."""
     torch.manual_seed(seed)
     with contextlib.nullcontext() if exact else torch.device(device):
         model = txlm.TransformerXL(config)
+    if padded is None:
+        padded = align.wanted("auto", device, config.d_head)
     if padded:
         pad_heads(model, multiple=8)
     return model.to(device)
@@ -170,6 +178,12 @@ def count_flops(fn: Callable[[], object]) -> int:
     return c.get_total_flops()
 
 
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 class TrainStep:
     """One training step as ``txlm train`` takes it: fp32 master weights and Adam (fused on
     CUDA); bf16 runs forward and backward on the bf16 compute copy (training.precision);
@@ -177,7 +191,7 @@ class TrainStep:
     run.compile=auto on CUDA)."""
 
     def __init__(self, config: ModelConfig, device: torch.device, name: str, batch: int,
-                 *, compiled: str | None = None, padded: bool = False) -> None:  # fmt: skip
+                 *, compiled: str | None = None, padded: bool | None = None) -> None:  # fmt: skip
         self.config, self.device, self.name, self.batch = config, device, name, batch
         self.master = build(config, device, padded=padded).train()
         self.copy = ComputeCopy(self.master, torch.bfloat16) if name == "bf16" else None
@@ -220,12 +234,14 @@ def train(
     peak: float,
     *,
     compiled: str | None = None,
-    padded: bool = False,
+    padded: bool | None = None,
 ) -> dict:
     step = TrainStep(config, device, name, batch, compiled=compiled, padded=padded)
+    graphs = _graphs_compiled()
     t0 = time.perf_counter()
     first = step()
-    step()  # the step with memory: a compiled model's second graph
+    for _ in range(3 if compiled else 1):  # with memory: a compiled model's second graph
+        step()
     warmup = time.perf_counter() - t0
     # FLOPs of a step with full memory (what every timed step is), counted eagerly
     flops = step_flops(config, device, name, batch, padded) if compiled else count_flops(step)
@@ -236,7 +252,7 @@ def train(
     row = {
         "precision": name,
         "compiled": compiled or False,
-        "padded_heads": padded,
+        "padded_heads": step.master.layers[0].attn.d_head != config.d_head,
         "timed_steps": len(losses),
         "tokens_per_s": round(batch * config.tgt_len / sec, 1),
         "ms_per_step": round(sec * 1e3, 2),
@@ -248,6 +264,7 @@ def train(
     }
     if compiled:
         row["compile_and_first_steps_s"] = round(warmup, 1)
+        row["graphs_compiled"] = _graphs_compiled() - graphs  # 2 expected: without, with memory
     row["loss_fell"] = row["loss_last"] < 0.9 * row["loss_first"]  # expected on a real run
     if device.type == "cuda":
         row["peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -255,7 +272,7 @@ def train(
 
 
 def step_flops(config: ModelConfig, device: torch.device, name: str, batch: int,
-               padded: bool) -> int:  # fmt: skip
+               padded: bool | None) -> int:  # fmt: skip
     step = TrainStep(config, device, name, batch, padded=padded)
     step()  # the memory is full from the second step on
     return count_flops(step)
@@ -270,7 +287,7 @@ def evaluate(
     name: str,
     seconds: float,
     *,
-    padded: bool = False,
+    padded: bool | None = None,
 ) -> float:
     """Forward tokens/s with memory ``mem`` (full: timed after mem // L warm-up segments)."""
     model = build(config, device, padded=padded).eval()
@@ -304,27 +321,34 @@ def generate(
     context: int = 512,
     *,
     graph: bool = False,
-    padded: bool = False,
+    compile: bool = False,
+    padded: bool | None = None,
 ) -> tuple[float, Tensor]:
-    """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps (to compare
-    precisions and devices on the same prompt). ``graph``: the step replayed from a CUDA
-    graph (CachedDecoder's default on CUDA), else launched op by op."""
+    """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps from the
+    first (to compare precisions and devices on the same prompt). ``graph``: the step
+    replayed from a CUDA graph (CachedDecoder's default on CUDA), else launched op by op;
+    ``compile``: the step under torch.compile (on CUDA with its own CUDA graphs). Timed
+    after 3 warm-up steps (a graph is captured, a compiled step built and recorded)."""
     model = build(config, device, padded=padded, exact=True).eval()
     model.set_lengths(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
+    backend = ("inductor" if device.type == "cuda" else "eager") if compile else False
     rows = []
     with torch.no_grad(), precision(device, name):
-        dec = CachedDecoder(model, cuda_graph=graph)
+        dec = CachedDecoder(model, cuda_graph=graph and not compile, compile=backend)
         logp = dec.prefill([prompt])
-        logp = dec.step(logp.argmax(-1))  # the first step (with a graph: warm-up, eager)
+        for _ in range(3):
+            rows.append(logp[0].float().cpu())
+            logp = dec.step(logp.argmax(-1))
         sync(device)
         t0 = time.perf_counter()
         for _ in range(new):
-            rows.append(logp[0])
+            rows.append(logp[0].clone())
             logp = dec.step(logp.argmax(-1))
         sync(device)
-    return round(new / (time.perf_counter() - t0), 1), torch.stack(rows).float().cpu()
+        rate = new / (time.perf_counter() - t0)
+    return round(rate, 1), torch.stack([r.float().cpu() for r in rows])
 
 
 def kernels(fn: Callable[[], object], device: torch.device, top: int = 8) -> dict:
@@ -429,7 +453,9 @@ def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
                 out[key] = {"error": run.stderr.strip().splitlines()[-3:]}
                 continue
             report = json.loads(run.stdout)
-            out[key] = {"tokens_per_s": report["tokens_per_s"], "process_wall_s": round(wall, 2)}
+            out[key] = {"tokens_per_s": report["tokens_per_s"],
+                        "first_token_s": report["first_token_s"],
+                        "process_wall_s": round(wall, 2)}  # fmt: skip
     return out
 
 
@@ -617,15 +643,23 @@ def main(argv: list[str] | None = None) -> int:
             r[key] = (dev_logp - cpu_logp).abs().max().item()
 
     run.section("decode parity", decode_parity)
+    run.section("profile", lambda: profile(config0, device, batch0, context))
+    # compiled: inductor on CUDA; on the CPU (--quick) dynamo alone, so the code runs fast
+    backend = "inductor" if cuda else "eager"
+    run.section(f"{first} train bf16 compiled", add_train(first, "bf16", compiled=backend))
+
+    def decode_compiled() -> None:
+        for p in ("fp32", "bf16"):
+            rates[p + "_compiled"] = generate(config0, device, p, new, context, compile=True)[0]
+
+    run.section("decode compiled", decode_compiled)
     run.section("txlm_generate_cli", lambda: generate_cli(device, 64 if args.quick else 1000,
                                                           args.quick))  # fmt: skip
-    run.section("profile", lambda: profile(config0, device, batch0, context))
+    for shape in list(shapes)[1:]:
+        run.section(f"{shape} train bf16 compiled", add_train(shape, "bf16", compiled=backend))
     run.section("attention", lambda: attention_choice(
         config0, device, batch0, max(steps // 4, 2), seconds / 2,
         peaks["bf16" if cuda else "fp32"]))  # fmt: skip
-    for shape in shapes:  # on the CPU (--quick) with dynamo alone: the code runs, fast
-        backend = "inductor" if cuda else "eager"
-        run.section(f"{shape} train bf16 compiled", add_train(shape, "bf16", compiled=backend))
     for p in precisions:
         if p != "bf16":
             run.section(f"{first} train {p}", add_train(first, p))

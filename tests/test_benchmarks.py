@@ -91,7 +91,10 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     assert shape["train"][1]["flops_per_step"] == shape["train"][0]["flops_per_step"]
     assert shape["train"][1]["loss_first"] == shape["train"][0]["loss_first"]
     assert all(v["kv_cache_tokens_per_s"] > 0 for v in shape["eval"].values())
-    assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16"}  # no CUDA graph on a CPU
+    # no CUDA graph on a CPU; compiled with dynamo alone
+    assert set(result["generate_tokens_per_s"]) == {"fp32", "bf16", "fp32_compiled",
+                                                    "bf16_compiled"}  # fmt: skip
+    assert result["shapes"]["debug"]["train"][1]["graphs_compiled"] == 2  # without, with memory
     assert result["generate_parity_max_abs_logprob_diff_vs_cpu"] == 0.0
     for what in ("train_step_bf16", "decode_token_fp32_eager"):
         assert result["profile"][what]["count"] > 10 and result["profile"][what]["top"]

@@ -50,3 +50,28 @@ def test_compiling_is_not_charged_to_the_time_budget(tmp_path, monkeypatch):
     results = json.loads((out / "results.json").read_text())
     assert results["compile_seconds"] == summary["compile_seconds"]
     assert results["train_seconds"] < 1.0 + summary["compile_seconds"]
+
+
+def test_a_compiled_run_builds_two_graphs(tmp_path, monkeypatch):
+    """One graph for the first step (no memory yet) and one for every later step: the memory
+    a step hands on has the same shape and strides every time (a view of the concatenated
+    [memory; segment] had other strides than the first step's and compiled a third graph,
+    minutes of inductor on a GPU)."""
+    from txlm.train import Trainer
+
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(
+        torch, "compile", functools.partial(torch.compile, backend=counting_backend)
+    )
+    config = tiny_config(tmp_path, "optim.max_steps=5", "eval.eval_interval=0",
+                         "eval.final_eval=false", "run.compile=true", "run.tensorboard=false",
+                         "run.progress=false")  # fmt: skip
+    Trainer(config, tmp_path / "run", echo=False).fit()
+    torch._dynamo.reset()
+    assert len(graphs) == 2

@@ -21,5 +21,8 @@ def update_memory(mems: list[Tensor] | None, hiddens: list[Tensor], mem_len: int
         old = None if mems is None else mems[n]
         cat = h if old is None or old.size(1) == 0 else torch.cat([old.to(h.dtype), h], dim=1)
         keep = min(mem_len, cat.size(1))
-        new.append(cat[:, cat.size(1) - keep :].detach())
+        # contiguous: the same strides whether or not there was memory before (a compiled
+        # model guards on strides: a view of the concatenation would compile a third graph),
+        # and the concatenation is not kept alive by its tail
+        new.append(cat[:, cat.size(1) - keep :].detach().contiguous())
     return new
