@@ -327,7 +327,7 @@ def generate(
     """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps from the
     first (to compare precisions and devices on the same prompt). ``graph``: the step
     replayed from a CUDA graph (CachedDecoder's default on CUDA), else launched op by op;
-    ``compile``: the step under torch.compile (on CUDA with its own CUDA graphs). Timed
+    ``compile``: the step under torch.compile (on CUDA, then captured in a graph too). Timed
     after 3 warm-up steps (a graph is captured, a compiled step built and recorded)."""
     model = build(config, device, padded=padded, exact=True).eval()
     model.set_lengths(mem_len=max(config.mem_len, context))
@@ -336,7 +336,8 @@ def generate(
     backend = ("inductor" if device.type == "cuda" else "eager") if compile else False
     rows = []
     with torch.no_grad(), precision(device, name):
-        dec = CachedDecoder(model, cuda_graph=graph and not compile, compile=backend)
+        captured = (graph or compile) and device.type == "cuda"  # as txlm generate does
+        dec = CachedDecoder(model, cuda_graph=captured, compile=backend)
         logp = dec.prefill([prompt])
         for _ in range(3):
             rows.append(logp[0].float().cpu())

@@ -333,9 +333,12 @@ class CachedDecoder(_Decoder):
         super().__init__(model)
         self.compile = compile
         self.one_token = one_token  # the CPU one-token step where it applies (eager steps)
-        # compile on CUDA brings its own graphs (mode "reduce-overhead")
+        # A compiled step is captured too: inductor's own graphs ("reduce-overhead") refuse a
+        # step that writes into the cache it is given (measured on an H200: 111 tok/s, below
+        # the eager step's 169), while a manual capture of the compiled step replays its fused
+        # kernels as one launch.
         if cuda_graph is None:
-            cuda_graph = self.device.type == "cuda" and not compile
+            cuda_graph = self.device.type == "cuda"
         self.cuda_graph = cuda_graph
         self.cache: KVCache | None = None  # made per prefill, by _begin
         self._prepare(self._autocast_dtype())
@@ -438,10 +441,7 @@ class CachedDecoder(_Decoder):
                 fn = self._eager_step
             if self.compile:  # True: inductor; a string names another backend
                 backend = self.compile if isinstance(self.compile, str) else "inductor"
-                mode = "reduce-overhead" if self.device.type == "cuda" else None
-                if backend != "inductor":
-                    mode = None
-                fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+                fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
             if self.cuda_graph:
                 fn = _GraphedStep(fn)
             self._step = fn

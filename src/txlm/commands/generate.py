@@ -72,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--compile", action="store_true",
-        help="torch.compile the decoding step (on CUDA: with CUDA graphs; one-off compile time)",
+        help="torch.compile the decoding step (fused kernels; on CUDA then captured in a CUDA "
+        "graph); it compiles once, before the first token",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
