@@ -331,4 +331,4 @@ def test_compile_flag_compiles_the_step_and_keeps_the_text(char_ckpt, capsys, mo
         assert main([*argv, *extra]) == 0
         ids[bool(extra)] = json.loads(capsys.readouterr().out)["sample_ids"]
     assert ids[True] == ids[False]
-    assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor", mode=None)]
+    assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor")]
