@@ -206,3 +206,15 @@ def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_pat
     loaded = checkpoint.load(tmp_path / "plain" / "last", align_heads=True)
     assert loaded.layers[0].attn.d_head == 8
     assert checkpoint.load(tmp_path / "plain" / "last").layers[0].attn.d_head == 6  # auto: CPU
+
+
+def test_bf16_training_with_padded_heads_follows_the_unpadded_run(tmp_path):
+    """The configuration a GPU run gets (bf16 compute copies of padded heads): the same
+    weights as without padding, and the compute copy holds the padded bf16 shapes."""
+    plain = _train(tmp_path, "plain", "run.precision=bf16", "run.align_heads=false")
+    padded = _train(tmp_path, "padded", "run.precision=bf16", "run.align_heads=true")
+    assert padded.compute.model.layers[0].attn.qkv.weight.shape == (48, 32)
+    assert padded.compute.model.layers[0].attn.qkv.weight.dtype == torch.bfloat16
+    want = plain.model.state_dict()
+    for name, value in padded.model.state_dict().items():
+        torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
