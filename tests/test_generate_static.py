@@ -70,8 +70,11 @@ def test_compiled_step_runs_600_tokens_with_one_graph(overrides) -> None:
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_no_host_sync_inside_a_step_or_a_draw() -> None:
-    model = tiny_model()
+@pytest.mark.parametrize("overrides", [{}, dict(vocab_size=64, cutoffs=[8, 24], div_val=2)])
+def test_no_host_sync_inside_a_step_or_a_draw(overrides) -> None:
+    """Also with adaptive embeddings of several widths (div_val > 1, as the published
+    wt103 model), whose lookup once selected each cluster's tokens with nonzero."""
+    model = tiny_model(**overrides)
     dec = CachedDecoder(model)
     scores = dec.prefill([[3, 1, 4], [1, 5, 9, 2, 6]])
     g = torch.Generator().manual_seed(0)

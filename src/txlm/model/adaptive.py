@@ -61,16 +61,19 @@ class AdaptiveEmbedding(nn.Module):
             if len(self.projs):
                 emb = F.linear(emb, self.projs[0])
             return emb * self.scale
-        flat = ids.reshape(-1)
-        proj0 = self.projs[0]
-        out = torch.zeros(flat.numel(), self.d_proj, dtype=proj0.dtype, device=flat.device)
+        # Every cluster embeds every token (ids clamped into its range) and each token keeps
+        # its own cluster's row: static shapes and no data-dependent indexing, so no host
+        # sync (a CUDA graph can capture a decoding step) at the cost of the narrow tail
+        # clusters' small products on all tokens. Every parameter gets a gradient (zero
+        # where unused) every step, which DDP requires.
+        dtype = self.projs[0].dtype
+        out = None
         for (lo, hi), layer, proj in zip(self.bounds, self.layers, self.projs, strict=True):
-            # Every cluster runs, even on no tokens: each parameter then gets a (zero)
-            # gradient every step, which DDP requires.
-            idx = ((flat >= lo) & (flat < hi)).nonzero().squeeze(1)
-            emb = F.linear(layer(flat.index_select(0, idx) - lo), proj)
-            out = out.index_copy(0, idx, emb.to(out.dtype))
-        return out.view(*ids.shape, self.d_proj) * self.scale
+            emb = F.linear(layer((ids - lo).clamp(0, hi - lo - 1)), proj).to(dtype)
+            out = (
+                emb if out is None else torch.where(((ids >= lo) & (ids < hi))[..., None], emb, out)
+            )
+        return out * self.scale
 
 
 class AdaptiveLogSoftmax(nn.Module):
