@@ -214,8 +214,8 @@ def run(args: argparse.Namespace) -> int:
             "new_tokens_per_sample": [len(s.ids) for s in streams],  # fewer where one stopped
             "samples": [s.text() for s in streams],
             "sample_ids": [s.ids for s in streams],
-            "seconds": round(elapsed, 4),
-            "first_token_s": round(first_s, 4),
+            "seconds": round(elapsed, 6),
+            "first_token_s": round(first_s, 6),
             "tokens_per_s": round(rate, 2),  # after the first token
         }
         print(json.dumps(result))
