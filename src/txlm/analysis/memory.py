@@ -13,8 +13,12 @@ m = 0, without recurrence), and every copy token is scored: its loss, and whethe
 prediction is right. Copies are bucketed by d in half-octaves.
 
 A copy at distance d is in view of query i of a segment when d <= m + i: a model with working
-memory should copy almost perfectly up to d = m and fall to chance (about 1 / alphabet)
-beyond; without memory it should fall to chance past one segment.
+memory should copy almost perfectly up to d = m and fall to chance (one of the values, or
+one of the alphabet) beyond; without memory it should fall to chance past one segment. Models
+with memory read segments of ``eval_tgt_len`` (8) so that the edge is nearly d = m; the
+relative-sinusoid ones are also read with distances clamped to the training reach M + L.
+The table buckets copies by d <= M, M < d <= 2M, 2M < d <= 4M, d > 4M; the figure by
+half-octaves.
 
 The evaluation stream is cut into ``rows`` contiguous rows that start with empty memory; a
 copy whose source lies before its row's start is left out (no model could see it).
@@ -264,7 +268,7 @@ class TrainedVariant:
 class MemoryBenchResult:
     dataset: str
     spec: dict[str, Any]
-    chance: float  # 1 / alphabet
+    chance: float  # a blind guess's accuracy (txlm.analysis.memory.chance)
     tgt_len: int
     mem_len: int
     bins: list[int]

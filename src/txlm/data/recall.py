@@ -33,6 +33,14 @@ Per token of each split, ``SPLIT.copy.bin`` (int32, little-endian, as long as th
 holds the distance back to the source when the token is a predictable copy, else 0. Token
 ``t`` of the split is the label of input position ``t - 1``.
 
+The associative form (``keys`` > 0, ``generate_pairs``) replaces spans by stored pairs: a
+pair symbol stores one of ``values`` values under one of ``keys`` keys, and ``d`` tokens later
+the key's query symbol is followed by that value, the copy; filler symbols fill the rest. Its
+lookup is one step by content (the query matches its key's pair symbol, whose value is the
+answer), where the span form needs two composed steps (find the previous occurrence of the
+current symbol, then read what followed it): an induction circuit, which small models take
+far longer to form.
+
 Name and parameters: ``recall`` with the defaults, or ``recall:key=value,...`` with any of
 the fields of ``RecallSpec`` (``recall:span=12,max_dist=256,train=500000``). The folder is
 ``recall`` for the defaults, else ``recall-`` plus the changed settings.
