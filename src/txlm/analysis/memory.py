@@ -483,7 +483,11 @@ def plot_memory(res: MemoryBenchResult, path) -> None:
         k = 0 if p.train_mem == 0 else round(math.log2(max(1, p.eval_mem // p.train_mem)))
         ax.plot(
             centers,
-            [math.nan if a is None else a for a in p.accuracy],
+            # a bucket of a handful of copies (the range's rounded-up end) is noise, not a point
+            [
+                math.nan if a is None or k < 20 else a
+                for a, k in zip(p.accuracy, p.count, strict=True)
+            ],
             styles[k % len(styles)],
             marker="s" if p.clamp_len > 0 else "o",
             ms=3,
