@@ -320,7 +320,7 @@ PRESETS: dict[str, Preset] = {
         note="the synthetic copy task of txlm.data.recall",
         train=dict(
             data=dict(batch_size=32),
-            optim=dict(lr=3e-3, warmup_steps=100, max_steps=10000),
+            optim=dict(lr=3e-3, warmup_steps=100, max_steps=5000),
             eval=dict(eval_interval=0, max_eval_steps=50, batch_size=8, sample_tokens=0),
             run=dict(log_interval=50),
         ),
