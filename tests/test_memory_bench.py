@@ -15,7 +15,14 @@ import torch
 
 import txlm
 from txlm.analysis.ablation import variants
-from txlm.analysis.memory import bench_variants, copy_profile, distance_bins, variant_config
+from txlm.analysis.memory import (
+    bench_variants,
+    chance,
+    copy_profile,
+    distance_bins,
+    memory_reach_bins,
+    variant_config,
+)
 from txlm.train_config import preset_config
 
 TASK = (
@@ -45,6 +52,13 @@ def test_distance_bins_cover_the_range_in_half_octaves():
     assert all(b / a < 1.5 for a, b in itertools.pairwise(bins))
 
 
+def test_reach_bins_split_at_one_two_four_memories_and_chance_follows_the_form():
+    assert memory_reach_bins(2, 32, 256) == [2, 33, 65, 129, 257]
+    assert memory_reach_bins(40, 32, 100) == [40, 65, 101]  # empty buckets left out
+    assert chance({"keys": 32, "values": 8, "alphabet": 302}) == 1 / 8
+    assert chance({"keys": 0, "values": 8, "alphabet": 256}) == 1 / 256
+
+
 def test_copy_profile_scores_each_copy_once_at_its_stream_position():
     """A model that always predicts one symbol is right exactly on the copies of it."""
     torch.manual_seed(0)
@@ -58,7 +72,12 @@ def test_copy_profile_scores_each_copy_once_at_its_stream_position():
     distances = np.where(rng.random(403) < 0.5, rng.integers(1, 40, size=403), 0)
     distances[0] = 0
     bins = [1, 10, 40]
-    p = copy_profile(model, tokens, distances, bins, mem_len=8, rows=4)
+    p = copy_profile(model, tokens, distances, bins, mem_len=8, rows=4, reach_bins=[1, 9, 40])
+    # a shorter evaluation segment reads the same stream: the same copies, the same answers
+    short = copy_profile(model, tokens, distances, bins, mem_len=8, rows=4, tgt_len=3)
+    assert short.eval_tgt_len == 3 and p.eval_tgt_len == 8
+    assert short.count == p.count and short.accuracy == pytest.approx(p.accuracy)
+    assert sum(p.reach_count) == sum(p.count)
     row_len = math.ceil(402 / 4)
     position = np.arange(403)
     row_start = ((position - 1) // row_len) * row_len
@@ -67,6 +86,13 @@ def test_copy_profile_scores_each_copy_once_at_its_stream_position():
         sel[0] = False
         assert count == sel.sum()
         assert acc == pytest.approx((tokens[sel] == 5).mean())
+    # the coarse buckets score the same copies
+    for (lo, hi), acc, count in zip(
+        itertools.pairwise([1, 9, 40]), p.reach_accuracy, p.reach_count, strict=True
+    ):
+        sel = (distances >= lo) & (distances < hi) & (position - distances >= row_start)
+        sel[0] = False
+        assert count == sel.sum() and acc == pytest.approx((tokens[sel] == 5).mean())
 
 
 def test_bench_memory_command(tmp_path):
@@ -76,17 +102,26 @@ def test_bench_memory_command(tmp_path):
         [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK,
          "--variants", "xl,vanilla", "--steps", "4", "--batch-size", "4", "--tgt-len", "8",
          "--mem-len", "8", "--set", "model.d_model=32", "model.n_head=2", "model.d_head=16",
-         "model.d_inner=64", "--eval-multiples", "1,2", "--threads", "1",
+         "model.d_inner=64", "--eval-multiples", "1,2", "--eval-tgt-len", "4", "--threads", "1",
          "--runs-dir", str(tmp_path / "runs"), "--json", "--out-dir", str(out)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     payload = json.loads(r.stdout)
-    assert [(p["variant"], p["eval_mem"]) for p in payload["profiles"]] == [
-        ("xl", 8),
-        ("xl", 16),
-        ("vanilla", 0),
+    # relative-sinusoid models with memory also with distances clamped to the training reach
+    # M + L = 16; models with memory read segments of --eval-tgt-len, the others their own
+    assert [
+        (p["variant"], p["eval_mem"], p["clamp_len"], p["eval_tgt_len"])
+        for p in payload["profiles"]
+    ] == [
+        ("xl", 8, -1, 4),
+        ("xl", 8, 16, 4),
+        ("xl", 16, -1, 4),
+        ("xl", 16, 16, 4),
+        ("vanilla", 0, -1, 8),
     ]
+    assert payload["reach_bins"] == [6, 9, 17, 33, 61]
+    assert all(sum(p["reach_count"]) == sum(p["count"]) for p in payload["profiles"])
     assert [v["train_mem"] for v in payload["variants"]] == [8, 0]
     # each copy of the scored stream is in exactly one bucket, the same for every row
     counts = {tuple(p["count"]) for p in payload["profiles"]}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from txlm.data import StreamIterator, load_prepared, prepare_dataset
-from txlm.data.recall import RecallSpec, copy_distances, generate, parse_spec
+from txlm.data.recall import RecallSpec, copy_distances, generate, generate_pairs, parse_spec
 from txlm.errors import DataError
 
 SETTINGS = (
@@ -92,6 +92,43 @@ def test_span_lengths_fixed_by_default_and_varied_on_request():
     varied = _runs(generate(spec, 5000, np.random.default_rng(0))[1])
     assert {n for _, n in varied[:-1]} == set(range(2, 8))  # the last may be cut short
     assert len({d % 8 for d, _ in varied}) == 8
+
+
+@pytest.mark.parametrize("longest", [40, 150])
+def test_pairs_form_value_follows_its_key_query_and_the_pair_is_unique_in_view(longest):
+    spec = RecallSpec(alphabet=120, keys=12, values=8, min_dist=2, max_dist=150)
+    symbols, dist = generate_pairs(spec, 20_000, np.random.default_rng(0), max_dist=longest)
+    n_pairs = 12 * 8
+    query0, value0 = n_pairs, n_pairs + 12
+    copies = np.flatnonzero(dist)
+    assert len(copies) > 0.04 * len(symbols)
+    assert dist[copies].min() == 2 and np.mean(dist[copies] <= longest + 2) > 0.95
+    source = copies - dist[copies]
+    # the copy is the value stored by its source pair, and the token before it is the query
+    # of that pair's key; nothing else is flagged
+    assert np.all(symbols[source] < n_pairs)
+    assert np.array_equal(symbols[copies], value0 + symbols[source] % 8)
+    assert np.array_equal(symbols[copies - 1], query0 + symbols[source] // 8)
+    assert np.all((symbols[dist == 0] < value0) | (symbols[dist == 0] >= value0 + 8))
+    # within the window a model is asked to reach (the fresh one, max_dist, plus d), the
+    # query's key has exactly one pair: its own
+    for t in copies[:2000]:
+        key = symbols[t - 1] - query0
+        lo = max(0, t - 1 - longest - dist[t])
+        window = symbols[lo : t - 1]
+        hits = np.flatnonzero((window < n_pairs) & (window // 8 == key))
+        assert (lo + hits).tolist() == [source[np.searchsorted(copies, t)]]
+    # every key and every value is used; filler fills the rest
+    assert set(symbols[copies - 1] - query0) == set(range(12))
+    assert set(symbols[copies] - value0) == set(range(8))
+    assert symbols.max() == 119
+
+
+def test_pairs_form_needs_a_filler_symbol():
+    with pytest.raises(DataError, match="no filler"):
+        parse_spec("recall:alphabet=98,keys=10,values=8,min_dist=2")
+    assert parse_spec("recall:alphabet=99,keys=10,values=8,min_dist=2").alphabet == 99
+    assert parse_spec("recall:alphabet=302,keys=32,values=8,min_dist=2").keys == 32
 
 
 def test_deterministic_and_cached(tmp_path, small):

@@ -13,8 +13,12 @@ m = 0, without recurrence), and every copy token is scored: its loss, and whethe
 prediction is right. Copies are bucketed by d in half-octaves.
 
 A copy at distance d is in view of query i of a segment when d <= m + i: a model with working
-memory should copy almost perfectly up to d = m and fall to chance (about 1 / alphabet)
-beyond; without memory it should fall to chance past one segment.
+memory should copy almost perfectly up to d = m and fall to chance (one of the values, or
+one of the alphabet) beyond; without memory it should fall to chance past one segment. Models
+with memory read segments of ``eval_tgt_len`` (8) so that the edge is nearly d = m; the
+relative-sinusoid ones are also read with distances clamped to the training reach M + L.
+The table buckets copies by d <= M, M < d <= 2M, 2M < d <= 4M, d > 4M; the figure by
+half-octaves.
 
 The evaluation stream is cut into ``rows`` contiguous rows that start with empty memory; a
 copy whose source lies before its row's start is left out (no model could see it).
@@ -39,6 +43,12 @@ from txlm.model import TransformerXL
 from txlm.train_config import TrainConfig, apply_set, preset_config
 
 PRESET = "recall"
+# The associative form of the recall task (txlm.data.recall.generate_pairs): a value stored
+# under one of 32 keys is asked for 2 to 64 tokens later in train, up to 256 in valid.
+# Its lookup is one step by content, which a 2-layer model learns in minutes on a CPU; the
+# span form's "find my previous occurrence, read what followed" needs an induction circuit
+# of two composed heads, which did not form in this budget (README, "Does the memory work?").
+BENCH_TASK = "recall:keys=32,values=8,alphabet=302,min_dist=2,valid=100000"
 
 
 def bench_variants() -> list[Variant]:
@@ -55,13 +65,20 @@ def bench_variants() -> list[Variant]:
 
 @dataclass
 class MemoryBenchSettings:
-    dataset: str = "recall"  # a recall[:k=v,...] dataset name or a prepared recall folder
+    dataset: str = BENCH_TASK  # a recall[:k=v,...] dataset name or a prepared recall folder
     steps: int | None = None  # None: the preset's
     batch_size: int | None = None
     lr: float | None = None
     tgt_len: int | None = None
     mem_len: int | None = None
     eval_multiples: tuple[int, ...] = (1, 2, 4)
+    # Segment length of the evaluation of models with memory (None: the training one). A
+    # short one makes "in view" sharp: query i of a segment sees m + i tokens back.
+    eval_tgt_len: int | None = 8
+    # Relative-sinusoid ("xl") models at evaluation: "none" leaves every distance its own
+    # encoding, "train" clamps distances to the training reach M + L (farther ones share the
+    # farthest trained encoding), "both" evaluates each way.
+    clamp: str = "both"
     eval_tokens: int | None = None  # valid tokens evaluated (None: the whole split)
     rows: int = 8  # evaluation rows (batch)
     seed: int = 0
@@ -124,6 +141,18 @@ def distance_bins(min_dist: int, max_dist: int) -> list[int]:
     return edges
 
 
+def chance(spec: dict[str, Any]) -> float:
+    """A blind guess's copy accuracy: one of the values, or one of the alphabet."""
+    return 1.0 / int(spec["values"] if spec.get("keys") else spec["alphabet"])
+
+
+def memory_reach_bins(min_dist: int, mem_len: int, max_dist: int) -> list[int]:
+    """Coarse bucket edges d <= M, M < d <= 2M, 2M < d <= 4M, d > 4M (empty ones left out)."""
+    edges = [min_dist] + [k * mem_len + 1 for k in (1, 2, 4) if min_dist < k * mem_len + 1]
+    edges = [e for e in edges if e <= max_dist]
+    return [*edges, max_dist + 1]
+
+
 @dataclass
 class CopyProfile:
     """One model at one evaluation memory: copy accuracy and loss per distance bucket."""
@@ -136,6 +165,11 @@ class CopyProfile:
     count: list[int]
     bpc: float  # over every scored token of the split
     copy_bpc: float | None  # over the copy tokens in view of this memory (d <= m)
+    eval_tgt_len: int = 0  # segment length of the evaluation
+    clamp_len: int = -1  # > 0: relative distances beyond it shared one encoding
+    # the same copies in the coarse reach buckets (MemoryBenchResult.reach_bins)
+    reach_accuracy: list[float | None] = field(default_factory=list)
+    reach_count: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -150,8 +184,15 @@ def copy_profile(
     rows: int = 8,
     variant: str = "",
     train_mem: int = 0,
+    tgt_len: int | None = None,
+    clamp_len: int = -1,
+    reach_bins: list[int] | None = None,
 ) -> CopyProfile:
-    """Stream ``tokens`` with memory ``mem_len`` and score every copy token by distance."""
+    """Stream ``tokens`` with memory ``mem_len`` and score every copy token by distance.
+
+    ``tgt_len``: evaluation segment length (None: the model's); ``clamp_len`` > 0: distances
+    beyond it share one encoding; ``reach_bins``: a second, coarse set of distance buckets.
+    """
     from txlm.evaluate import stream_segments
 
     start = time.perf_counter()
@@ -159,8 +200,12 @@ def copy_profile(
     row_len = math.ceil((n - 1) / rows)
     nll = np.full(n, np.nan)
     right = np.zeros(n, dtype=bool)
+    segments = stream_segments(
+        model, tokens, batch_size=rows, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
+        same_length=False,
+    )  # fmt: skip
     # the ordinary streaming evaluation; labels[b, c] is token b * row_len + start + c + 1
-    for seg in stream_segments(model, tokens, batch_size=rows, mem_len=mem_len, same_length=False):
+    for seg in segments:
         hidden, labels = seg.out.hidden, seg.labels
         log_probs = model.softmax.log_prob(hidden.reshape(-1, hidden.size(-1)))
         log_probs = log_probs.view(*labels.shape, -1)
@@ -176,13 +221,19 @@ def copy_profile(
     row_start = ((position - 1) // row_len) * row_len  # the row's first input token
     dist = np.asarray(distances, dtype=np.int64)
     is_copy = scored & (dist > 0) & (position - dist >= row_start)
-    accuracy, loss, count = [], [], []
-    for lo, hi in itertools.pairwise(bins):
-        sel = is_copy & (dist >= lo) & (dist < hi)
-        k = int(sel.sum())
-        count.append(k)
-        accuracy.append(float(right[sel].mean()) if k else None)
-        loss.append(float(nll[sel].mean()) if k else None)
+
+    def buckets(edges: list[int]) -> tuple[list[float | None], list[float | None], list[int]]:
+        accuracy, loss, count = [], [], []
+        for lo, hi in itertools.pairwise(edges):
+            sel = is_copy & (dist >= lo) & (dist < hi)
+            k = int(sel.sum())
+            count.append(k)
+            accuracy.append(float(right[sel].mean()) if k else None)
+            loss.append(float(nll[sel].mean()) if k else None)
+        return accuracy, loss, count
+
+    accuracy, loss, count = buckets(bins)
+    reach_accuracy, _, reach_count = buckets(reach_bins) if reach_bins else ([], [], [])
     in_view = is_copy & (dist <= mem_len)
     return CopyProfile(
         variant=variant,
@@ -193,6 +244,10 @@ def copy_profile(
         count=count,
         bpc=float(nll[scored].mean() / math.log(2)),
         copy_bpc=float(nll[in_view].mean() / math.log(2)) if in_view.any() else None,
+        eval_tgt_len=int(tgt_len or model.config.tgt_len),
+        clamp_len=clamp_len,
+        reach_accuracy=reach_accuracy,
+        reach_count=reach_count,
         seconds=time.perf_counter() - start,
     )
 
@@ -213,10 +268,11 @@ class TrainedVariant:
 class MemoryBenchResult:
     dataset: str
     spec: dict[str, Any]
-    chance: float  # 1 / alphabet
+    chance: float  # a blind guess's accuracy (txlm.analysis.memory.chance)
     tgt_len: int
     mem_len: int
     bins: list[int]
+    reach_bins: list[int]
     variants: list[TrainedVariant]
     profiles: list[CopyProfile]
     settings: dict[str, Any] = field(default_factory=dict)
@@ -254,6 +310,8 @@ def run_memory_bench(
     from txlm.train import Trainer
 
     start = time.perf_counter()
+    if settings.clamp not in ("none", "train", "both"):
+        raise ConfigError(f"clamp must be none, train or both, got {settings.clamp!r}")
     base = settings.base_config(data_dir, device)
     folder = prepare_dataset(base.data.dataset, data_dir or default_data_dir(), progress=False)
     corpus = load_prepared(folder)
@@ -265,6 +323,9 @@ def run_memory_bench(
     if settings.eval_tokens is not None:
         tokens, distances = tokens[: settings.eval_tokens], distances[: settings.eval_tokens]
     bins = distance_bins(int(spec["min_dist"]), int(spec["max_dist"]))
+    reach_bins = memory_reach_bins(
+        int(spec["min_dist"]), base.model["mem_len"], int(spec["max_dist"])
+    )
     group = bench_variants()
     if settings.only:
         unknown = set(settings.only) - {v.name for v in group}
@@ -300,27 +361,36 @@ def run_memory_bench(
         if log:
             log(f"{v.name}: trained {config.optim.max_steps} steps in {seconds:.0f} s")
         mems = sorted({k * train_mem for k in settings.eval_multiples}) if train_mem else [0]
-        for m in mems:
+        eval_tgt = settings.eval_tgt_len if train_mem else None
+        reach = model.config.tgt_len + train_mem
+        clamps = {"none": [-1], "train": [reach], "both": [-1, reach]}[settings.clamp]
+        if v.encoding != "xl" or not train_mem:  # no sinusoid distances, or none past reach
+            clamps = [-1]
+        for m, clamp in itertools.product(mems, clamps):
             p = copy_profile(
                 model, tokens, distances, bins, mem_len=m, rows=settings.rows,
-                variant=v.name, train_mem=train_mem,
+                variant=v.name, train_mem=train_mem, tgt_len=eval_tgt, clamp_len=clamp,
+                reach_bins=reach_bins,
             )  # fmt: skip
             profiles.append(p)
             if log:
-                log(f"  memory {m}: " + _accuracy_cells(p))
+                log(f"  memory {m}{_clamp_note(p)}: " + _accuracy_cells(p))
     model_c = base.model_config(len(corpus.vocab))
     return MemoryBenchResult(
         dataset=str(corpus.meta.get("name")),
         spec=spec,
-        chance=1.0 / int(spec["alphabet"]),
+        chance=chance(spec),
         tgt_len=model_c.tgt_len,
         mem_len=model_c.mem_len,
         bins=bins,
+        reach_bins=reach_bins,
         variants=trained,
         profiles=profiles,
         settings={
             "train": base.to_dict(),
             "eval_multiples": list(settings.eval_multiples),
+            "eval_tgt_len": settings.eval_tgt_len,
+            "clamp": settings.clamp,
             "eval_tokens": len(tokens),
             "rows": settings.rows,
         },
@@ -333,28 +403,66 @@ def _bucket_labels(bins: list[int]) -> list[str]:
     return [f"{lo}-{hi - 1}" for lo, hi in itertools.pairwise(bins)]
 
 
+def _clamp_note(p: CopyProfile) -> str:
+    return f" clamp {p.clamp_len}" if p.clamp_len > 0 else ""
+
+
 def _accuracy_cells(p: CopyProfile) -> str:
     return " ".join("  -  " if a is None else f"{a:5.3f}" for a in p.accuracy)
 
 
+def _reach_labels(res: MemoryBenchResult) -> list[str]:
+    m = res.mem_len
+    names = {m + 1: f"d<={m}", 2 * m + 1: f"{m}<d<={2 * m}", 4 * m + 1: f"{2 * m}<d<={4 * m}"}
+    return [names.get(hi, f"d>{lo - 1}") for lo, hi in itertools.pairwise(res.reach_bins)]
+
+
+def _cells(values: list[float | None], width: int) -> str:
+    return " ".join(f"{'-':>{width}}" if a is None else f"{a:>{width}.3f}" for a in values)
+
+
 def format_table(res: MemoryBenchResult) -> str:
+    s = res.spec
+    if s.get("keys"):
+        task = f"{s['keys']} keys x {s['values']} values"
+    else:
+        lengths = "" if s.get("min_span") is None else f"{s['min_span']}-"
+        task = f"alphabet {s['alphabet']}, spans of {lengths}{s['span']}"
+    lines = [
+        f"Copy accuracy by distance on {res.dataset} ({task}, chance "
+        f"{res.chance:.3f}); trained with segments of "
+        f"{res.tgt_len} and memory M={res.mem_len}; {res.seconds / 60:.1f} min, "
+        f"{res.threads} threads",
+    ]
+    head = f"{'model':<12} {'mem':>4} {'seg':>4} {'clamp':>5}  {'bpc':>6}  "
+    reach = _reach_labels(res)
+    w = max(6, *(len(x) for x in reach))
+    lines.append(head + " ".join(f"{x:>{w}}" for x in reach))
+    for p in res.profiles:
+        clamp = str(p.clamp_len) if p.clamp_len > 0 else "-"
+        lines.append(
+            f"{p.variant:<12} {p.eval_mem:>4} {p.eval_tgt_len:>4} {clamp:>5}  {p.bpc:>6.3f}  "
+            + _cells(p.reach_accuracy, w)
+        )
+    counts = res.profiles[0].reach_count if res.profiles else []
+    lines.append(
+        f"{'copies':<12} {'':>4} {'':>4} {'':>5}  {'':>6}  " + " ".join(f"{c:>{w}}" for c in counts)
+    )
     labels = _bucket_labels(res.bins)
     width = max(6, *(len(x) for x in labels))
-    s = res.spec
-    lines = [
-        f"Copy accuracy by distance on {res.dataset} (alphabet {s['alphabet']}, spans of "
-        f"{s['span']}, chance {res.chance:.3f}); trained with segments of {res.tgt_len} and "
-        f"memory {res.mem_len}; {res.seconds / 60:.1f} min, {res.threads} threads",
-        f"{'model':<12} {'mem':>4}  {'bpc':>6}  " + " ".join(f"{x:>{width}}" for x in labels),
-    ]
-    for p in res.profiles:
-        cells = " ".join(f"{'-':>{width}}" if a is None else f"{a:>{width}.3f}" for a in p.accuracy)
-        lines.append(f"{p.variant:<12} {p.eval_mem:>4}  {p.bpc:>6.3f}  {cells}")
-    counts = res.profiles[0].count if res.profiles else []
-    lines.append(f"{'copies':<12} {'':>4}  {'':>6}  " + " ".join(f"{c:>{width}}" for c in counts))
+    lines += ["", "half-octave buckets (the figure's points):"]
     lines.append(
-        "columns: distance back to the source (tokens); mem: evaluation memory (training "
-        "memory x 1, 2, 4; 0 without recurrence); bpc over all tokens of the split"
+        f"{'model':<12} {'mem':>4} {'clamp':>5}  " + " ".join(f"{x:>{width}}" for x in labels)
+    )
+    for p in res.profiles:
+        clamp = str(p.clamp_len) if p.clamp_len > 0 else "-"
+        lines.append(f"{p.variant:<12} {p.eval_mem:>4} {clamp:>5}  " + _cells(p.accuracy, width))
+    counts = res.profiles[0].count if res.profiles else []
+    lines.append(f"{'copies':<12} {'':>4} {'':>5}  " + " ".join(f"{c:>{width}}" for c in counts))
+    lines.append(
+        "d: distance back to the source (tokens); mem: evaluation memory (training memory x "
+        "1, 2, 4; 0 without recurrence); seg: evaluation segment length; clamp: relative "
+        "distances beyond it share one encoding; bpc over all tokens of the split"
     )
     return "\n".join(lines)
 
@@ -375,12 +483,16 @@ def plot_memory(res: MemoryBenchResult, path) -> None:
         k = 0 if p.train_mem == 0 else round(math.log2(max(1, p.eval_mem // p.train_mem)))
         ax.plot(
             centers,
-            [math.nan if a is None else a for a in p.accuracy],
+            # a bucket of a handful of copies (the range's rounded-up end) is noise, not a point
+            [
+                math.nan if a is None or k < 20 else a
+                for a, k in zip(p.accuracy, p.count, strict=True)
+            ],
             styles[k % len(styles)],
-            marker="o",
+            marker="s" if p.clamp_len > 0 else "o",
             ms=3,
             color=colors[p.variant],
-            label=f"{p.variant}, memory {p.eval_mem}",
+            label=f"{p.variant}, memory {p.eval_mem}" + (", clamped" if p.clamp_len > 0 else ""),
         )
     marks: dict[int, str] = {}
     for x, text in ((res.tgt_len, "L"), (res.mem_len, "M"), (2 * res.mem_len, "2M"),

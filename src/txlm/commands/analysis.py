@@ -348,7 +348,7 @@ def _run_memory(args: argparse.Namespace) -> int:
 
     device = _setup(args)
     settings = memory.MemoryBenchSettings(
-        dataset=args.dataset,
+        dataset=args.dataset or memory.BENCH_TASK,
         steps=args.steps,
         batch_size=args.batch_size,
         lr=args.lr,
@@ -356,6 +356,8 @@ def _run_memory(args: argparse.Namespace) -> int:
         mem_len=args.mem_len,
         eval_multiples=tuple(args.eval_multiples),
         eval_tokens=args.eval_tokens,
+        eval_tgt_len=args.eval_tgt_len,
+        clamp=args.clamp,
         seed=args.seed,
         only=tuple(args.variants.split(",")) if args.variants else (),
         sets=tuple(args.sets),
@@ -390,8 +392,9 @@ def _register_memory(bench_sub: argparse._SubParsersAction) -> None:
     )
     mem.add_argument(
         "--dataset",
-        default="recall",
-        help="recall dataset: recall or recall:key=value,... (see txlm prepare --help)",
+        default=None,
+        help="recall dataset: recall or recall:key=value,... (see txlm prepare --help); "
+        "default: the associative form (txlm.analysis.memory.BENCH_TASK)",
     )
     mem.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     mem.add_argument("--steps", type=int, default=None, help="training steps per model (preset)")
@@ -406,6 +409,20 @@ def _register_memory(bench_sub: argparse._SubParsersAction) -> None:
         help="evaluation memories as multiples of the training memory (1,2,4)",
     )
     mem.add_argument("--eval-tokens", type=int, default=None, help="valid tokens scored (all)")
+    mem.add_argument(
+        "--eval-tgt-len",
+        type=int,
+        default=8,
+        help="segment length when evaluating models with memory (8: query i of a segment "
+        "sees m + i back, so 'in view' is nearly d <= m)",
+    )
+    mem.add_argument(
+        "--clamp",
+        choices=("none", "train", "both"),
+        default="both",
+        help="relative-sinusoid models: distances unclamped, clamped to the training reach "
+        "M + L, or both (default)",
+    )
     mem.add_argument("--seed", type=int, default=0)
     add_set_option(mem, "txlm train overrides for every variant, e.g. model.d_model=128")
     mem.add_argument(

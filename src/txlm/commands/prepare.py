@@ -30,8 +30,10 @@ word vocabularies: --min-freq N drops words seen fewer than N times in train, --
   Options not given: as the existing copy was prepared (txlm train/eval find it), else default.
 recall: a generated long-range copy task (offline): random spans that recur verbatim after a
   log-uniform distance; keys alphabet, span, min_span, min_dist, max_dist, train_max_dist,
-  fresh, seed, train, valid, test (recall:span=8,max_dist=128); SPLIT.copy.bin holds each
-  token's copy distance.
+  fresh, seed, train, valid, test (recall:span=8,max_dist=128); with keys > 0 (and values) the
+  associative form, values stored under keys and asked for later
+  (recall:keys=32,values=8,alphabet=302,min_dist=2); SPLIT.copy.bin holds each token's copy
+  distance.
 downloads: DATA_DIR/downloads/, resumed when interrupted, checked against a published sha256
   (wt2, wt103, enwik8, text8) or the one recorded at first download (ptb, lm1b).
 environment: TXLM_DATA_DIR, TXLM_MIRROR (base URL for every download), TXLM_SHA256_FILE

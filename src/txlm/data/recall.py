@@ -33,6 +33,14 @@ Per token of each split, ``SPLIT.copy.bin`` (int32, little-endian, as long as th
 holds the distance back to the source when the token is a predictable copy, else 0. Token
 ``t`` of the split is the label of input position ``t - 1``.
 
+The associative form (``keys`` > 0, ``generate_pairs``) replaces spans by stored pairs: a
+pair symbol stores one of ``values`` values under one of ``keys`` keys, and ``d`` tokens later
+the key's query symbol is followed by that value, the copy; filler symbols fill the rest. Its
+lookup is one step by content (the query matches its key's pair symbol, whose value is the
+answer), where the span form needs two composed steps (find the previous occurrence of the
+current symbol, then read what followed it): an induction circuit, which small models take
+far longer to form.
+
 Name and parameters: ``recall`` with the defaults, or ``recall:key=value,...`` with any of
 the fields of ``RecallSpec`` (``recall:span=12,max_dist=256,train=500000``). The folder is
 ``recall`` for the defaults, else ``recall-`` plus the changed settings.
@@ -74,6 +82,9 @@ class RecallSpec:
     max_dist: int = 256  # valid and test
     train_max_dist: int = 64  # train: copies within reach of a short memory
     fresh: int | None = None  # a span avoids the symbols of this many preceding tokens
+    # > 0: the associative form (``generate_pairs``): this many keys, ``values`` values
+    keys: int = 0
+    values: int = 8
     seed: int = 0
     train: int = 1_000_000  # tokens per split
     valid: int = 100_000
@@ -93,14 +104,22 @@ class RecallSpec:
             raise bad(f"span must be in [2, alphabet={self.alphabet}], got {self.span}")
         if self.min_span is not None and not 2 <= self.min_span <= self.span:
             raise bad(f"min_span must be in [2, span={self.span}], got {self.min_span}")
-        if not self.span <= self.min_dist <= min(self.max_dist, self.train_max_dist):
+        first = 2 if self.keys else self.span  # pair, query, value: d >= 2
+        if not first <= self.min_dist <= min(self.max_dist, self.train_max_dist):
             raise bad(
-                "need span <= min_dist <= max_dist, train_max_dist (a copy starts after its "
-                f"source ends), got {self.span}, {self.min_dist}, {self.max_dist}, "
-                f"{self.train_max_dist}"
+                f"need {'2' if self.keys else 'span'} <= min_dist <= max_dist, train_max_dist "
+                f"(a copy comes after its source), got {first}, {self.min_dist}, "
+                f"{self.max_dist}, {self.train_max_dist}"
             )
         if self.fresh is not None and self.fresh < 0:
             raise bad(f"fresh must be >= 0, got {self.fresh}")
+        if self.keys < 0 or self.values < 2:
+            raise bad(f"keys must be >= 0 and values >= 2, got {self.keys}, {self.values}")
+        if self.keys and self.keys * self.values + self.keys + self.values >= self.alphabet:
+            raise bad(
+                f"keys={self.keys} x values={self.values} pair symbols, the queries and the "
+                f"values leave no filler symbol in alphabet={self.alphabet}"
+            )
         for split in ("train", "valid", "test"):
             n = getattr(self, split)
             if n < 2 * max(self.max_dist, self.train_max_dist):
@@ -199,6 +218,60 @@ def generate(
     return symbols[:n_tokens], dist[:n_tokens]
 
 
+def generate_pairs(
+    spec: RecallSpec, n_tokens: int, rng: np.random.Generator, *, max_dist: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The associative form: symbol indices [N] and copy distances [N] (0: not a copy).
+
+    Symbols: ``keys * values`` pair symbols (key k with value v is ``k * values + v``), then
+    ``keys`` query symbols, ``values`` value symbols, and the rest of the alphabet as filler.
+    A pair symbol stores a value under a key; ``d`` tokens later (log-uniform in
+    ``[min_dist, max_dist]``, later when another query is due first) the key's query symbol
+    comes, followed by the value symbol: that value token is the copy, at distance ``d`` from
+    its pair symbol (the query before it, which predicts it, is ``d - 1`` after the pair).
+    A key is stored again only ``fresh`` tokens after its query, so a query's only pair in
+    that window is its own. The lookup is by content in one step (query symbol -> the pair
+    symbol with that key -> its value); no offset finds it, and without the pair in view the
+    value is a guess among ``values``. Everything else is filler, uniform over its symbols.
+    """
+    n_keys, n_values = spec.keys, spec.values
+    query0, value0, filler0 = (
+        n_keys * n_values,
+        n_keys * n_values + n_keys,
+        n_keys * n_values + n_keys + n_values,
+    )
+    max_dist = spec.max_dist if max_dist is None else max_dist
+    fresh = max_dist if spec.fresh is None else spec.fresh
+    lo, hi = np.log(spec.min_dist), np.log(max_dist + 1)
+    symbols = np.zeros(n_tokens + 2, dtype=np.int64)
+    dist = np.zeros(n_tokens + 2, dtype=np.int32)
+    free_at = np.zeros(n_keys, dtype=np.int64)  # position from which each key may be stored
+    pending: list[tuple[int, int, int]] = []  # (due, pair position, key), by due
+    pos = 0
+    while pos < n_tokens:
+        if pending and pending[0][0] <= pos:
+            _, source, key = pending.pop(0)
+            symbols[pos] = query0 + key
+            symbols[pos + 1] = value0 + symbols[source] % n_values
+            dist[pos + 1] = pos + 1 - source
+            free_at[key] = pos + 1 + fresh
+            pos += 2
+            continue
+        ready = np.flatnonzero((free_at <= pos) & (free_at >= 0))
+        if len(ready):
+            key = int(rng.choice(ready))
+            symbols[pos] = key * n_values + int(rng.integers(n_values))
+            d = min(int(np.exp(rng.uniform(lo, hi))), max_dist)
+            due = pos + d - 1  # the query: its value lands d after the pair
+            k = next((i for i, p in enumerate(pending) if p[0] > due), len(pending))
+            pending.insert(k, (due, pos, key))
+            free_at[key] = -1  # pending
+        else:
+            symbols[pos] = filler0 + int(rng.integers(spec.alphabet - filler0))
+        pos += 1
+    return symbols[:n_tokens], dist[:n_tokens]
+
+
 def _input_key(spec: RecallSpec) -> str:
     payload = json.dumps({"generator": GENERATOR_VERSION, **asdict(spec)}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()
@@ -227,7 +300,8 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
         for i, split in enumerate(("train", "valid", "test")):
             rng = np.random.default_rng([spec.seed, i])
             longest = spec.train_max_dist if split == "train" else spec.max_dist
-            symbols, dist = generate(spec, getattr(spec, split), rng, max_dist=longest)
+            make = generate_pairs if spec.keys else generate
+            symbols, dist = make(spec, getattr(spec, split), rng, max_dist=longest)
             ids = lut[symbols].astype(vocab.dtype)
             ids.astype(ids.dtype.newbyteorder("<")).tofile(tmp / f"{split}.bin")
             dist.astype("<i4").tofile(tmp / f"{split}{COPY_SUFFIX}")
