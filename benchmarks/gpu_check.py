@@ -62,6 +62,7 @@ from txlm.generate import CachedDecoder
 from txlm.model import align
 from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
+from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
 
 RESULTS = Path(__file__).parent / "results" / "gpu_check.json"
@@ -178,12 +179,6 @@ def count_flops(fn: Callable[[], object]) -> int:
     return c.get_total_flops()
 
 
-def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 class TrainStep:
     """One training step as ``txlm train`` takes it: fp32 master weights and Adam (fused on
     CUDA); bf16 runs forward and backward on the bf16 compute copy (training.precision);
@@ -237,7 +232,7 @@ def train(
     padded: bool | None = None,
 ) -> dict:
     step = TrainStep(config, device, name, batch, compiled=compiled, padded=padded)
-    graphs = _graphs_compiled()
+    graphs = graphs_compiled()
     t0 = time.perf_counter()
     first = step()
     for _ in range(3 if compiled else 1):  # with memory: a compiled model's second graph
@@ -264,7 +259,7 @@ def train(
     }
     if compiled:
         row["compile_and_first_steps_s"] = round(warmup, 1)
-        row["graphs_compiled"] = _graphs_compiled() - graphs  # 2 expected: without, with memory
+        row["graphs_compiled"] = graphs_compiled() - graphs  # 2 expected: without, with memory
     row["loss_fell"] = row["loss_last"] < 0.9 * row["loss_first"]  # expected on a real run
     if device.type == "cuda":
         row["peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
@@ -463,25 +458,11 @@ def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
 def targets(result: dict) -> list[dict]:
     """Issue 12's targets beside the figures measured here (None: not measured)."""
 
-    def get(*path: str | int) -> float | None:
-        node = result
-        for key in path:
-            try:
-                node = node[key]
-            except (KeyError, IndexError, TypeError):
-                return None
-        return node if isinstance(node, int | float) else None
-
     def best_train(shape: str, key: str) -> float | None:
-        rows = [r for r in get_rows(shape) if r.get("precision") == "bf16"]
-        return max((r[key] for r in rows), default=None)
-
-    def get_rows(shape: str) -> list[dict]:
         rows = result.get("shapes", {}).get(shape, {}).get("train", [])
-        return rows if isinstance(rows, list) else []
+        return max((r[key] for r in rows if r.get("precision") == "bf16"), default=None)
 
-    decode = [v for k, v in result.get("generate_tokens_per_s", {}).items() if k.startswith("bf16")
-              or k.startswith("fp32")]  # fmt: skip
+    decode = list(result.get("generate_tokens_per_s", {}).values())
     cli = result.get("txlm_generate_cli", {})
     cli_rates = [v["tokens_per_s"] for v in cli.values() if isinstance(v, dict) and
                  "tokens_per_s" in v]  # fmt: skip
@@ -497,7 +478,7 @@ def targets(result: dict) -> list[dict]:
         ("eval 4x memory enwik8-base bf16, tokens/s (2x of 121k)", ">=", 242_000,
          _best_eval(result, "enwik8-base")),
         ("fp32 parity with the CPU, max |log p| diff", "<=", 1e-4,
-         get("parity_max_abs_logprob_diff_vs_cpu")),
+         result.get("parity_max_abs_logprob_diff_vs_cpu")),
     ]  # fmt: skip
     out = []
     for what, op, want, got in rows:

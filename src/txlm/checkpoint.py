@@ -333,7 +333,7 @@ def load(
             f"{weights} does not match its config.json "
             f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
         )
-    if align.wanted(align_heads, torch.device(device), config.d_head):
+    if align.wanted(align_heads, device, config.d_head):
         align.pad_heads(model)
     return model.eval()
 

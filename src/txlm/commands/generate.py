@@ -202,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
     produced = sum(len(s.ids) for s in streams)  # rows stopped at <eos> count what they drew
     # the decoding rate, after the first token: a one-off compile is reported apart
     first_s = (first_at or began) - began
-    after = produced - len(streams) if n_new > 1 else produced
-    rate = after / (elapsed - first_s) if n_new > 1 and elapsed > first_s else 0.0
+    decoding = elapsed - first_s
+    rate = (produced - len(streams)) / decoding if n_new > 1 and decoding > 0 else 0.0
 
     if args.json:
         result = {

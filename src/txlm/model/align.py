@@ -42,8 +42,8 @@ def _resize(t: Tensor, axis: int, d_from: int, d_to: int) -> Tensor:
     """View ``axis`` as (groups, d_from) and pad with zeros (or cut) to (groups, d_to)."""
     t = t.unflatten(axis, (t.size(axis) // d_from, d_from))
     if d_to > d_from:
-        pad = [0, 0] * (t.dim() - axis - 2) + [0, d_to - d_from]
-        t = F.pad(t, pad)
+        widths = [0, 0] * (t.dim() - axis - 2) + [0, d_to - d_from]
+        t = F.pad(t, widths)
     else:
         t = t.narrow(axis + 1, 0, d_to)
     return t.flatten(axis, axis + 1)
@@ -52,21 +52,21 @@ def _resize(t: Tensor, axis: int, d_from: int, d_to: int) -> Tensor:
 def _hooks(module: nn.Module, axes: dict[str, int], d_head: int, d_pad: int) -> None:
     """state_dict without the padding; load_state_dict of either shape."""
 
-    def strip(mod, state_dict, prefix, local_metadata):
+    def strip_hook(mod, state_dict, prefix, local_metadata):
         for name, axis in axes.items():
             key = prefix + name
             if key in state_dict:
-                state_dict[key] = _resize(state_dict[key], axis, d_pad, d_head).contiguous()
+                state_dict[key] = strip(state_dict[key], axis, d_head, d_pad)
         return state_dict
 
-    def pad(state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    def pad_hook(state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         for name, axis in axes.items():
             key = prefix + name
             if key in state_dict and state_dict[key].shape != _param(module, name).shape:
-                state_dict[key] = _resize(state_dict[key], axis, d_head, d_pad)
+                state_dict[key] = pad(state_dict[key], axis, d_head, d_pad)
 
-    module._register_state_dict_hook(strip)
-    module._register_load_state_dict_pre_hook(pad)
+    module._register_state_dict_hook(strip_hook)
+    module._register_load_state_dict_pre_hook(pad_hook)
 
 
 def _param(module: nn.Module, name: str) -> Tensor:
@@ -75,7 +75,7 @@ def _param(module: nn.Module, name: str) -> Tensor:
     return module  # type: ignore[return-value]
 
 
-def wanted(setting: bool | str, device: torch.device, d_head: int, multiple: int = 8) -> bool:
+def wanted(setting: bool | str, device: str | torch.device, d_head: int, multiple: int = 8) -> bool:
     """Pad? ``setting``: true, false or "auto" (on CUDA when d_head is not a multiple)."""
     if d_head % multiple == 0:
         return False
@@ -91,10 +91,11 @@ def padded_axes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     if d_pad == d_head:
         return {}
     params = dict(model.named_parameters())
-    names = [
-        f"layers.{i}.attn.{name}" for i in range(len(model.layers)) for name in _ATTENTION_AXES
-    ]
-    axes = {n: _ATTENTION_AXES[n.split(".attn.")[1]] for n in names} | _MODEL_AXES
+    axes = {
+        f"layers.{i}.attn.{name}": axis
+        for i in range(len(model.layers))
+        for name, axis in _ATTENTION_AXES.items()
+    } | _MODEL_AXES
     return {n: (axis, d_head, d_pad) for n, axis in axes.items() if n in params}
 
 

@@ -72,7 +72,7 @@ def compile_wanted(setting: bool | str, device: torch.device) -> bool:
     return bool(setting)
 
 
-def _graphs_compiled() -> int:
+def graphs_compiled() -> int:
     """How many graphs torch.compile has built in this process so far."""
     from torch._dynamo.utils import counters
 
@@ -424,11 +424,11 @@ class Trainer:
         session_steps, session_seconds = 0, 0.0
         try:
             while self.step < stop_at:
-                graphs = _graphs_compiled() if self.compiled else 0
+                graphs = graphs_compiled() if self.compiled else 0
                 t0 = time.perf_counter()
                 stats = self.train_step()
                 dt = time.perf_counter() - t0
-                if self.compiled and _graphs_compiled() > graphs:
+                if self.compiled and graphs_compiled() > graphs:
                     # A step that built a graph: compiling, not training, so it counts
                     # against neither the time budget nor tokens/s.
                     self.compile_seconds += dt

@@ -165,9 +165,10 @@ def load_optimizer(
     state: dict[int, dict[str, Any]] = {}
     for name, value in tensors.items():
         idx, key = name.split(".", 1)
-        if int(idx) in padding and value.dim() > 0:
-            value = align.pad(value, *padding[int(idx)])
-        state.setdefault(int(idx), {})[key] = value
+        index = int(idx)
+        if index in padding and value.dim() > 0:
+            value = align.pad(value, *padding[index])
+        state.setdefault(index, {})[key] = value
     for idx, extra in json.loads(meta.get("scalars", "{}")).items():
         state.setdefault(int(idx), {}).update(extra)
     try:
