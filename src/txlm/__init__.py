@@ -1,12 +1,13 @@
 """txlm: Transformer-XL language models.
 
 import txlm
-model = txlm.TransformerXL(txlm.ModelConfig.from_preset("debug"))
-txlm.save(model, "ckpt")
-model = txlm.load("ckpt")
+model = txlm.load("runs/shakespeare-char/best")        # a checkpoint `txlm train` wrote
+vocab = txlm.load_vocab("runs/shakespeare-char/best")  # its vocabulary: text <-> ids
+[new] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=50, seed=0)
+print(vocab.decode(new))
 """
 
-from txlm.checkpoint import load, save
+from txlm.checkpoint import load, load_vocab, save
 from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
 from txlm.generate import generate
@@ -23,6 +24,7 @@ __all__ = [
     "TxlmError",
     "generate",
     "load",
+    "load_vocab",
     "preset_names",
     "save",
     "score",

@@ -1,4 +1,5 @@
-"""``txlm info``: the presets with their parameter counts, or a checkpoint's summary."""
+"""``txlm info``: every preset a command accepts (model presets with their parameter counts,
+``txlm ablate``'s budgets), or a checkpoint's summary."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "info",
         help="list presets (parameter counts) or describe a checkpoint",
-        description="Without CKPT: every preset with its shape and parameter count (counted "
-        "without allocating). With CKPT: its parameter count and saved configuration (model and "
-        "training), as JSON.",
+        description="Without CKPT: every model preset (txlm train / bench eval-speed / ablate "
+        "--preset) with its shape and parameter count (counted without allocating), and the "
+        "ablation presets of txlm ablate --preset. With CKPT: its parameter count and saved "
+        "configuration (model and training), as JSON.",
     )
     p.add_argument("checkpoint", metavar="CKPT", nargs="?", help="a checkpoint to describe")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -45,6 +47,34 @@ def preset_table() -> list[dict]:
     return rows
 
 
+def ablation_table() -> list[dict]:
+    """``txlm ablate``'s own presets (shape and training budget); an alias shares its row."""
+    from txlm.analysis.ablation import ABLATION_PRESETS
+
+    rows: list[dict] = []
+    for name, preset in ABLATION_PRESETS.items():
+        same = next((r for r in rows if ABLATION_PRESETS[r["preset"]] is preset), None)
+        if same is not None:
+            same["aliases"].append(name)
+            continue
+        model = preset["model"]
+        rows.append(
+            dict(
+                preset=name,
+                aliases=[],
+                layers=model["n_layer"],
+                d_model=model["d_model"],
+                heads=f"{model['n_head']}x{model['d_head']}",
+                d_inner=model["d_inner"],
+                steps=preset["steps"],
+                batch_size=preset["batch_size"],
+                tgt_len=preset["tgt_len"],
+                eval_lengths=list(preset["eval_lengths"]),
+            )
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
         from txlm.checkpoint import load, read_config
@@ -55,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
         return 0
     rows = preset_table()
+    ablation = ablation_table()
     if args.json:
-        print(json.dumps({"presets": rows}))
+        print(json.dumps({"presets": rows, "ablation_presets": ablation}))
         return 0
+    print("model presets (txlm train, txlm bench eval-speed and txlm ablate --preset)")
     print(
         f"{'preset':18s} {'layers':>6s} {'d_model':>7s} {'heads':>7s} {'d_inner':>7s} "
         f"{'params':>9s} {'paper':>7s}  source"
@@ -67,5 +99,20 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{r['preset']:18s} {r['layers']:6d} {r['d_model']:7d} {r['heads']:>7s} "
             f"{r['d_inner']:7d} {r['params'] / 1e6:8.1f}M {paper:>7s}  {r['source']}"
+        )
+    print()
+    print("ablation presets (txlm ablate --preset; a model preset there takes its shape and the")
+    print("budget of small); params depend on the corpus's vocabulary")
+    print(
+        f"{'preset':22s} {'layers':>6s} {'d_model':>7s} {'heads':>7s} {'d_inner':>7s} "
+        f"{'steps':>6s} {'batch':>9s}  eval lengths"
+    )
+    for r in ablation:
+        name = r["preset"] + "".join(f" ({a})" for a in r["aliases"])
+        batch = f"{r['batch_size']}x{r['tgt_len']}"
+        lengths = ",".join(map(str, r["eval_lengths"]))
+        print(
+            f"{name:22s} {r['layers']:6d} {r['d_model']:7d} {r['heads']:>7s} "
+            f"{r['d_inner']:7d} {r['steps']:6d} {batch:>9s}  {lengths}"
         )
     return 0

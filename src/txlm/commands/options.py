@@ -7,10 +7,26 @@ import argparse
 from txlm.devices import DEVICE_HELP
 
 
-def add_device_options(p: argparse.ArgumentParser, *, precision: bool = False) -> None:
+def add_device_options(
+    p: argparse.ArgumentParser, *, precision: bool = False, in_config: bool = False
+) -> None:
     """``--device``, ``--threads`` and, for commands that run a model in mixed precision,
-    ``--precision``."""
-    p.add_argument("--device", default="auto", help=DEVICE_HELP)
+    ``--precision``.
+
+    ``in_config``: the command's configuration already holds these settings (``txlm train``:
+    ``run.device``, ``run.threads``), so an option left out must not override what a preset,
+    a YAML file or a resumed checkpoint says; ``config_overrides`` turns the given ones into
+    ``--set`` items.
+    """
+    if in_config:
+        p.add_argument(
+            "--device",
+            default=None,
+            help="auto | cpu | cuda[:N]: sets run.device (default: as configured, auto in "
+            "every preset)",
+        )
+    else:
+        p.add_argument("--device", default="auto", help=DEVICE_HELP)
     if precision:
         p.add_argument(
             "--precision",
@@ -18,7 +34,19 @@ def add_device_options(p: argparse.ArgumentParser, *, precision: bool = False) -
             choices=["fp32", "bf16", "fp16"],
             help="autocast for the matmuls (fp16: GPU only); default fp32",
         )
-    p.add_argument("--threads", type=int, default=None, metavar="N", help="torch CPU threads")
+    threads_help = "torch CPU threads" + ("; sets run.threads" if in_config else "")
+    p.add_argument("--threads", type=int, default=None, metavar="N", help=threads_help)
+
+
+def config_overrides(args: argparse.Namespace) -> list[str]:
+    """The ``--set`` items of the device options given on a command added ``in_config``;
+    they go after the user's own ``--set`` items, so the named option wins."""
+    items = []
+    if args.device is not None:
+        items.append(f"run.device={args.device}")
+    if args.threads is not None:
+        items.append(f"run.threads={args.threads}")
+    return items
 
 
 def add_set_option(p: argparse.ArgumentParser, help: str) -> None:

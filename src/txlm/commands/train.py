@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from txlm.commands.options import add_set_option
+from txlm.commands.options import add_device_options, add_set_option, config_overrides
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
     )
+    add_device_options(p, in_config=True)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(func=run)
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         base = TrainConfig.from_dict(saved["train"])
         if args.preset:
             raise CheckpointError("--resume takes the checkpoint's configuration; drop --preset")
-    config = resolve(args.preset, args.config, args.sets, base=base)
+    config = resolve(args.preset, args.config, [*args.sets, *config_overrides(args)], base=base)
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0
