@@ -90,3 +90,44 @@ def test_device_names_resolve_or_fail_in_one_line():
         result = txlm("generate", "nowhere", "--prompt", "a", "--device", "cuda")
         assert result.returncode == 2 and result.stderr.count("\n") == 1
         assert "no GPU" in result.stderr
+
+
+def test_every_model_command_takes_device_and_threads_and_train_puts_them_in_its_config():
+    for name, p in _subcommands().items():
+        if name.split()[0] in MODEL_COMMANDS:
+            flags = {o for a in p._actions for o in a.option_strings}
+            assert {"--device", "--threads"} <= flags, name
+
+    def resolved(*args: str) -> dict:
+        import yaml
+
+        result = txlm("train", "--preset", "debug", *args, "--print-config")
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["run"]
+
+    run = resolved("--device", "cpu", "--threads", "2")
+    assert (run["device"], run["threads"]) == ("cpu", 2)
+    run = resolved("--set", "run.device=cpu", "run.threads=3")  # not given: as configured
+    assert (run["device"], run["threads"]) == ("cpu", 3)
+    run = resolved("--set", "run.device=cpu", "--device", "auto")  # the named option wins
+    assert run["device"] == "auto"
+    result = txlm("train", "--preset", "debug", "--threads", "0", "--print-config")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "run.threads must be >= 1" in result.stderr
+
+
+def test_info_lists_every_preset_a_command_accepts():
+    from txlm.analysis.ablation import ABLATION_PRESETS, AblationSettings
+    from txlm.config import PRESETS
+
+    result = txlm("info", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert {r["preset"] for r in data["presets"]} == set(PRESETS)
+    ablation = {r["preset"]: r for r in data["ablation_presets"]}
+    assert ablation["small"]["aliases"] == ["ablation-small"]
+    assert ablation["small"]["steps"] == AblationSettings(preset="small").resolved()["steps"]
+    names = {n for r in ablation.values() for n in [r["preset"], *r["aliases"]]}
+    assert names == set(ABLATION_PRESETS)
+    text = txlm("info").stdout
+    assert all(name in text for name in names)

