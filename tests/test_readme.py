@@ -173,6 +173,36 @@ def test_readme_is_short_and_speaks_to_users():
     assert "make run" in text and "make test" in text
 
 
+OUTPUT_OPTIONS = ("--out", "--out-dir", "--save-dir", "--runs-dir", "--data-dir")
+
+
+def written_paths(text: str) -> list[str]:
+    """Where the page's commands and snippets write: output options of its command lines
+    (benchmarks excepted: they rewrite benchmarks/results/ on purpose) and ``txlm.save``."""
+    out = []
+    for argv in shell_commands(text):
+        if _txlm_args(argv) is None:
+            continue
+        out += [argv[i + 1] for i, t in enumerate(argv[:-1]) if t in OUTPUT_OPTIONS]
+    for body in fenced(text, "python"):
+        out += re.findall(r"txlm\.save\([^,]+,\s*[\"']([^\"']+)", body)
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
+def test_what_the_pages_write_lands_in_a_git_ignored_folder(page):
+    ignored = {
+        line.strip().strip("/")
+        for line in (REPO / ".gitignore").read_text().splitlines()
+        if re.fullmatch(r"/[\w.-]+/", line.strip())
+    }
+    assert {"runs", "data"} <= ignored
+    for path in written_paths(page.read_text(encoding="utf-8")):
+        assert Path(path).parts[0] in ignored, f"{page.name}: {path} is not under {ignored}"
+    if page == README:
+        assert "runs/api-demo" in written_paths(page.read_text(encoding="utf-8"))
+
+
 # -- running the cheap lines --------------------------------------------------------------
 def _env(**extra: str) -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **extra}
