@@ -15,15 +15,9 @@ from hypothesis import strategies as st
 
 from reliability_helpers import corpus_text
 from txlm.data import Vocab, load_prepared, prepare_dataset
-from txlm.data.bpe import (
-    EOS,
-    BPEVocab,
-    safe_pieces,
-    suggest_cutoffs,
-    token_counts,
-    train_bpe,
-)
+from txlm.data.bpe import suggest_cutoffs, token_counts, train_bpe
 from txlm.data.metrics import metric_value
+from txlm.data.vocab import EOS, BPEVocab, safe_pieces
 from txlm.errors import DataError
 
 pytest.importorskip("tokenizers")

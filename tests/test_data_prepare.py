@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from txlm.cli import main
-from txlm.data import load_prepared, prepare_dataset
+from txlm.data import load_prepared, prepare_dataset, splits
 from txlm.data.corpora import SHAKESPEARE_TEST, SHAKESPEARE_VALID, shakespeare_files
 from txlm.errors import DataError
 
@@ -203,8 +203,6 @@ def test_prepare_rebuilds_a_copy_whose_vocabulary_was_replaced(tmp_path):
 
 
 def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_path, monkeypatch):
-    import txlm.data.prepare as prep
-
     f = tmp_path / "t.txt"
     f.write_text("first version\n" * 100, encoding="utf-8")
     path = prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
@@ -214,7 +212,7 @@ def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_p
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prep, "_encode_split", interrupted)
+    monkeypatch.setattr(splits, "encode_split", interrupted)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset(f"text:{f}", tmp_path / "d", progress=False)
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before
@@ -222,12 +220,10 @@ def test_an_interrupted_prepare_leaves_the_earlier_copy_and_no_temp_folder(tmp_p
 
 
 def test_many_document_offsets_go_to_a_side_file(tmp_path, monkeypatch):
-    import txlm.data.prepare as prep
-
     f = tmp_path / "t.txt"
     f.write_text("".join(f"doc {i}\n\n\n" for i in range(40)), encoding="utf-8")
     inline = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "a", progress=False))
-    monkeypatch.setattr(prep, "INLINE_DOC_STARTS", 3)
+    monkeypatch.setattr(splits, "INLINE_DOC_STARTS", 3)
     side = load_prepared(prepare_dataset(f"text:{f}", tmp_path / "b", progress=False))
     assert "doc_starts_file" in side.meta["splits"]["train"]
     assert (side.path / "train.docs.bin").is_file()

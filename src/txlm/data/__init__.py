@@ -3,7 +3,8 @@
 The names below are the public API the training and evaluation code builds on.
 """
 
-from txlm.data.prepare import PreparedCorpus, default_data_dir, load_prepared, prepare_dataset
+from txlm.data.prepare import open_corpus, prepare_dataset
+from txlm.data.prepared import PreparedCorpus, default_data_dir, load_prepared
 from txlm.data.streams import Batch, SentenceStreamIterator, StreamIterator
 from txlm.data.vocab import Vocab
 
@@ -15,5 +16,6 @@ __all__ = [
     "Vocab",
     "default_data_dir",
     "load_prepared",
+    "open_corpus",
     "prepare_dataset",
 ]

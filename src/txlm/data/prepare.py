@@ -1,249 +1,52 @@
-"""``prepare``: turn a dataset into flat token-id files, and load them back.
+"""``prepare``: turn a dataset into flat token-id files (layout: prepared.py), and
+``open_corpus``, the one way every command and analysis gets a prepared corpus.
 
-Layout of a prepared dataset ``DATA_DIR/NAME/``::
-
-    train.bin valid.bin test.bin   token ids, raw little-endian, the smallest unsigned dtype
-    vocab.json                     the vocabulary (see vocab.py)
-    tokenizer.json                 bpe level only: the learnt BPE (see bpe.py)
-    meta.json                      sources and their sha256, sizes, document offsets,
-                                   tokenizer and split settings, the metric (bpc, bpb or
-                                   ppl), each split's UTF-8 size and <unk> count
-    SPLIT.docs.bin                 int64 document offsets, only when there are too many
-                                   to list in meta.json (lm1b: one per sentence)
-
-``NAME`` is the dataset name, with ``-LEVEL`` appended when a non-default level is asked for
-(``shakespeare-word``), and ``text-STEM`` for ``text:PATH``. Downloads are kept in
-``DATA_DIR/downloads/``.
-
-A dataset is built in a temporary folder next to its final place and renamed into place only
-when complete, so an error or an interrupt never damages an earlier prepared copy. A second
-call whose inputs (source hashes, level, vocabulary options, format version) are unchanged
-returns the existing copy without work; ``force=True`` rebuilds. Vocabulary options left
-unset (``vocab_size``, ``min_freq``, ``max_vocab`` = None) mean "as the existing copy was
+A second call whose inputs (source hashes, level, vocabulary options, format version) are
+unchanged returns the existing copy without work; ``force=True`` rebuilds. Vocabulary options
+left unset (``vocab_size``, ``min_freq``, ``max_vocab`` = None) mean "as the existing copy was
 prepared", else the defaults: so ``txlm train`` and ``txlm eval``, which name only the dataset
 and level, find the copy that ``txlm prepare --vocab-size 16000`` made instead of rebuilding it.
-A build holds a lock on its temporary folder (``DATA_DIR/.NAME.tmp-XXXX/.lock``) while it
-runs; the next prepare of the same dataset removes such folders whose lock is free, i.e.
-those of a killed build.
+A build happens in a temporary folder renamed into place (building.py), so an error or an
+interrupt never damages an earlier prepared copy.
+
+The steps: sources.py says what a name's inputs are and reads them, the vocabulary is built
+on train here, splits.py writes each split's ids.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import re
 import shutil
-import tempfile
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from txlm.data import bpe, corpora
-from txlm.data.corpora import SPECS, SPLITS, RawCorpus
-from txlm.data.download import fetch, load_record, mirror_url, sha256_file, sha256_overrides
-from txlm.data.metrics import metric_for_level, metric_value
-from txlm.data.vocab import Vocab, write_text_atomic
+from txlm.data import bpe, recall, sources
+from txlm.data.building import building
+from txlm.data.corpora import SPECS, RawCorpus
+from txlm.data.metrics import metric_for_level
+from txlm.data.prepared import (
+    FORMAT,
+    FORMAT_VERSION,
+    PreparedCorpus,
+    default_data_dir,
+    is_current,
+    load_prepared,
+)
+from txlm.data.splits import encode_splits
+from txlm.data.vocab import TOKENIZER_FILE, Vocab, check_fingerprint, write_text_atomic
 from txlm.errors import DataError
 
-FORMAT = "txlm-prepared"
-FORMAT_VERSION = 1
-INLINE_DOC_STARTS = 1 << 16  # more document offsets than this go to SPLIT.docs.bin
 
-
-def default_data_dir() -> Path:
-    return Path(os.environ.get("TXLM_DATA_DIR") or "data")
-
-
-# --- loading -----------------------------------------------------------------------------
-
-
-@dataclass
-class PreparedCorpus:
-    """A prepared dataset on disk; token arrays are read-only memmaps, never loaded whole."""
-
-    path: Path
-    vocab: Vocab
-    meta: dict
-    _checked: set[str] = field(default_factory=set, repr=False)  # splits whose ids were checked
-
-    @property
-    def level(self) -> str:
-        return str(self.meta["level"])
-
-    @property
-    def metric(self) -> str:
-        return str(self.meta["metric"])
-
-    def tokens_per_byte(self, name: str) -> float | None:
-        """Tokens per UTF-8 byte of a split's text (what turns a loss into bits per byte)."""
-        info = self._split_meta(name)
-        size = info.get("text_bytes")
-        return int(info["tokens"]) / int(size) if size else None
-
-    def metric_value(self, loss: float, split: str) -> float:
-        """``loss`` (nats per token on ``split``) in this corpus's metric (bpc, bpb or ppl)."""
-        tpb = self.tokens_per_byte(split) if self.metric == "bpb" else None
-        return metric_value(loss, self.metric, tokens_per_byte=tpb)
-
-    def unk_tokens(self, name: str) -> int | None:
-        """How many tokens of a split are ``<unk>`` (None: the vocabulary has none)."""
-        return self._split_meta(name).get("unk_tokens")
-
-    def _split_meta(self, name: str) -> dict:
-        splits = self.meta["splits"]
-        if name not in splits:
-            raise DataError(f"{self.path} has no split {name!r} (it has {', '.join(splits)})")
-        return splits[name]
-
-    def split(self, name: str) -> np.ndarray:
-        info = self._split_meta(name)
-        file = self.path / info["file"]
-        dtype = np.dtype(self.meta["dtype"])
-        expected = int(info["tokens"]) * dtype.itemsize
-        if not file.is_file() or file.stat().st_size != expected:
-            raise DataError(f"{file} is missing or truncated; run txlm prepare --force")
-        tokens = np.memmap(file, dtype=dtype, mode="r", shape=(int(info["tokens"]),))
-        # A same-size foreign file passes the size check; an id past the vocabulary would
-        # reach the embedding as an IndexError. One pass over the split, once per split.
-        if name not in self._checked:
-            top = int(tokens.max()) if len(tokens) else -1
-            if top >= len(self.vocab):
-                raise DataError(
-                    f"{file} (split {name!r}) holds token id {top}, past the vocabulary's "
-                    f"{len(self.vocab)} symbols: not this dataset's data; run txlm prepare --force"
-                )
-            self._checked.add(name)
-        return tokens
-
-    def doc_starts(self, name: str) -> np.ndarray:
-        info = self._split_meta(name)
-        if "doc_starts" in info:
-            out = np.asarray(info["doc_starts"], dtype=np.int64)
-        else:
-            file = self.path / info["doc_starts_file"]
-            if not file.is_file():
-                raise DataError(f"{file} is missing; run txlm prepare --force")
-            out = np.fromfile(file, dtype="<i8")
-        out.flags.writeable = False
-        return out
-
-
-def load_prepared(path: str | Path) -> PreparedCorpus:
-    p = Path(path)
-    meta_file = p / "meta.json"
-    if not meta_file.is_file():
-        raise DataError(f"{p} is not a prepared dataset (no meta.json); run txlm prepare first")
-    try:
-        meta = json.loads(_read_text(meta_file))
-    except json.JSONDecodeError:
-        raise DataError(f"{meta_file} is not valid JSON; run txlm prepare --force") from None
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
-        raise DataError(f"{p} was prepared by another format version; run txlm prepare --force")
-    vocab = Vocab.load(p / "vocab.json")
-    if vocab.fingerprint != meta.get("vocab_fingerprint") or len(vocab) != meta.get("vocab_size"):
-        raise DataError(
-            f"{p / 'vocab.json'} does not match the prepared data (vocabulary fingerprint "
-            f"{vocab.fingerprint}, size {len(vocab)}; meta.json says "
-            f"{meta.get('vocab_fingerprint')}, size {meta.get('vocab_size')})"
-        )
-    if vocab.dtype != np.dtype(meta.get("dtype")):
-        raise DataError(f"{p}: token dtype {meta.get('dtype')} does not fit the vocabulary")
-    return PreparedCorpus(p, vocab, meta)
-
-
-# --- preparing ---------------------------------------------------------------------------
-
-
-def _parse_name(name: str) -> tuple[str, Path | None]:
-    if name.startswith("text:"):
-        raw = name[len("text:") :]
-        if not raw:
-            raise DataError("text: needs a path, as in text:notes.txt or text:my_folder")
-        return "text", Path(raw).expanduser()
-    if name not in SPECS or name == "text":
-        known = ", ".join(n for n in SPECS if n != "text")
-        raise DataError(
-            f"unknown dataset {name!r}; choose one of {known}, text:PATH or recall[:k=v,...]"
-        )
-    return name, None
-
-
-def _out_name(kind: str, level: str, user_path: Path | None) -> str:
-    base = kind
-    if user_path is not None:
-        stem = user_path.resolve().name
-        stem = re.sub(r"\.txt$", "", stem)
-        base = "text-" + (re.sub(r"[^A-Za-z0-9_.-]+", "_", stem) or "corpus")
-    return base if level == SPECS[kind].default_level else f"{base}-{level}"
-
-
-def _hash_files(files: list[Path]) -> list[dict]:
-    out = []
-    for f in files:
-        if not f.is_file():
-            raise DataError(f"file not found: {f}")
-        out.append({"name": f.name, "sha256": sha256_file(f), "bytes": f.stat().st_size})
-    return out
-
-
-def _input_key(kind: str, level: str, options: dict, sources: list[dict]) -> str:
-    payload = json.dumps(
-        {
-            "format": FORMAT_VERSION,
-            "dataset": kind,
-            "level": level,
-            "options": options,
-            "sources": [(s["name"], s["sha256"]) for s in sources],
-        },
-        sort_keys=True,
-    )
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def _read_text(path: Path) -> str:
-    """A prepared dataset's JSON file as text; a binary file there is refused, not rebuilt over.
-
-    txlm writes meta.json and vocab.json atomically, so a file that is not UTF-8 was put there
-    by something else (e.g. a pickle): say so in one line rather than delete it.
-    """
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise DataError(
-            f"{path} is not UTF-8 text, so not written by txlm prepare; remove it or run "
-            "txlm prepare --force"
-        ) from None
-
-
-def _is_current(out: Path, key: str) -> bool:
-    try:
-        meta = json.loads(_read_text(out / "meta.json"))
-    except (OSError, json.JSONDecodeError):
-        return False
-    if not isinstance(meta, dict) or meta.get("input_key") != key:
-        return False
-    try:  # an edited or foreign (JSON) vocab.json makes the copy stale: rebuild it
-        _read_text(out / "vocab.json")  # a binary file there is refused, not rebuilt over
-    except OSError:
-        return False
-    try:
-        if Vocab.load(out / "vocab.json").fingerprint != meta.get("vocab_fingerprint"):
-            return False
-    except DataError:
-        return False
-    dtype = np.dtype(meta["dtype"])
-    for info in meta["splits"].values():
-        f = out / info["file"]
-        if not f.is_file() or f.stat().st_size != info["tokens"] * dtype.itemsize:
-            return False
-    return True
+def prepared_folder(name: str, data_dir: str | Path, level: str | None = None) -> Path:
+    """Where ``prepare_dataset(name, data_dir, level=level)`` keeps its copy."""
+    if recall.is_recall(name):
+        return Path(data_dir) / recall.parse_spec(name).folder_name
+    kind, user_path = sources.parse_name(name)
+    return Path(data_dir) / sources.out_name(kind, level or SPECS[kind].default_level, user_path)
 
 
 def prepare_dataset(
@@ -265,20 +68,18 @@ def prepare_dataset(
     ``max_vocab`` bound word vocabularies built from train (not lm1b's own; rarer words
     become ``<unk>``; ``max_vocab=0``: no cap), ``vocab_size`` is the bpe level's target size.
     """
-    from txlm.data import recall
-
     if recall.is_recall(name):  # generated, not read: its own writer (same layout)
         if level not in (None, "char"):
             raise DataError(f"recall is a character-level task, not {level!r}")
         return recall.prepare_recall(name, data_dir, force=force)
-    kind, user_path = _parse_name(name)
+    kind, user_path = sources.parse_name(name)
     spec = SPECS[kind]
     level = level or spec.default_level
     if level not in spec.levels:
         raise DataError(f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}")
     mirror = mirror or os.environ.get("TXLM_MIRROR") or None
     data_dir = Path(data_dir)
-    out = data_dir / _out_name(kind, level, user_path)
+    out = data_dir / sources.out_name(kind, level, user_path)
     options = _vocab_options(
         out, level, {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
     )
@@ -286,52 +87,24 @@ def prepare_dataset(
     vocab_size = options.get("vocab_size", bpe.DEFAULT_VOCAB_SIZE)
 
     # 1. The inputs and their hashes: cheap for local text, recorded for downloads.
-    local_files: list[Path] = []
-    if kind == "shakespeare":
-        local_files = [f for s in SPLITS for f in corpora.shakespeare_files()[s]]
-    elif kind == "text":
-        assert user_path is not None
-        if not user_path.exists():
-            raise DataError(f"no such file or folder: {user_path}")
-        local_files = (
-            sorted(p for p in user_path.rglob("*.txt") if p.is_file())
-            if user_path.is_dir()
-            else [user_path]
-        )
-        if not local_files:
-            raise DataError(f"folder {user_path} has no .txt files")
     downloads = data_dir / "downloads"
-    if local_files:
-        sources = _hash_files(local_files)
-    else:
-        record, overrides = load_record(downloads), sha256_overrides()
-        sources = []
-        for rf in spec.remote:
-            sha = overrides.get(rf.name) or rf.sha256 or record.get(rf.name, {}).get("sha256")
-            sources.append({"name": rf.name, "url": rf.url, "sha256": sha})
-    if all(s["sha256"] for s in sources) and not force:
-        key = _input_key(kind, level, options, sources)
-        if _is_current(out, key):
+    inputs = sources.list_sources(kind, user_path, downloads)
+    if all(s["sha256"] for s in inputs) and not force:
+        key = sources.input_key(kind, level, options, inputs)
+        if is_current(out, key):
             return out
 
     # 2. Fetch what is remote (verified), then build in a temporary folder.
-    paths: dict[str, Path] = {}
-    for rf, src in zip(spec.remote, sources if spec.remote else [], strict=True):
-        url = mirror_url(rf.url, mirror)
-        paths[rf.name], src["sha256"] = fetch(
-            url, downloads, known_sha256=rf.sha256, progress=progress
-        )
-        src["url"] = url
-        src["bytes"] = paths[rf.name].stat().st_size
-    key = _input_key(kind, level, options, sources)
-    if not force and _is_current(out, key):
+    paths = sources.fetch_sources(kind, inputs, downloads, mirror=mirror, progress=progress)
+    key = sources.input_key(kind, level, options, inputs)
+    if not force and is_current(out, key):
         return out
 
     # Local text needs no scratch folder: read and check it (binary, empty, ...) before
     # creating anything, so a refused first prepare leaves no DATA_DIR behind.
     raw: RawCorpus | None = None
     if kind in ("text", "shakespeare"):
-        raw = _read(kind, user_path, paths, data_dir)
+        raw = sources.read(kind, user_path, paths, data_dir)
         vocab = _build_vocab(
             raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
         )
@@ -339,11 +112,11 @@ def prepare_dataset(
         work = tmp / "raw"
         work.mkdir()
         if raw is None:
-            raw = _read(kind, user_path, paths, work)
+            raw = sources.read(kind, user_path, paths, work)
             vocab = _build_vocab(
                 raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
             )
-        vocab, splits_meta, train_counts = _encode_splits(raw, vocab, tmp, progress=progress)
+        vocab, splits_meta, train_counts = encode_splits(raw, vocab, tmp, progress=progress)
         vocab.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
@@ -357,8 +130,8 @@ def prepare_dataset(
             "vocab_fingerprint": vocab.fingerprint,
             "input_key": key,
             "options": options,
-            "sources": sources,
-            "source_bytes": sum(int(s["bytes"]) for s in sources),
+            "sources": inputs,
+            "source_bytes": sum(int(s["bytes"]) for s in inputs),
             "tokenizer": _tokenizer_settings(level, vocab, options),
             "corpus": raw.settings,
             "splits": splits_meta,
@@ -374,101 +147,85 @@ def prepare_dataset(
     return out
 
 
-@contextlib.contextmanager
-def building(data_dir: Path, out: Path) -> Iterator[Path]:
-    """A locked temporary folder beside ``out`` to build a dataset in. When the block ends
-    cleanly it replaces ``out`` in one rename; when it raises, it is removed and ``out`` stays
-    as it was (a dead process's folder is removed by the next build: see TEMP_LOCK)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_folders(data_dir, out.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=data_dir))
-    os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-    lock: int | None = None
-    try:
-        lock = _hold(tmp)
-        yield tmp
-        (tmp / TEMP_LOCK).unlink()  # not part of the dataset; the fd keeps the lock until done
-        _swap_into_place(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-        if lock is not None:
-            os.close(lock)
+def open_corpus(
+    dataset: str,
+    data_dir: str | Path | None = None,
+    *,
+    level: str | None = None,
+    fingerprint: str | None = None,
+    owner: str = "the checkpoint",
+    log: Callable[[str], None] | None = None,
+    **prepare: object,
+) -> PreparedCorpus:
+    """The prepared corpus ``dataset``, prepared under ``data_dir`` if there is no up-to-date
+    copy (``prepare``: ``prepare_dataset``'s options), or read as it is when ``dataset`` is a
+    prepared folder.
 
-
-# A build in progress holds an flock on TMP/.lock; the kernel drops it when the process dies,
-# however it dies (SIGKILL, power loss). So a temp folder of this dataset whose lock can be
-# taken, or that has no lock file, belongs to a dead prepare: the next prepare removes it.
-TEMP_LOCK = ".lock"
-
-
-def _hold(tmp: Path) -> int:
-    fd = os.open(tmp / TEMP_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    # Without flock (some network file systems) the folder simply looks in use to others.
-    with contextlib.suppress(OSError):
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def _remove_stale_temp_folders(data_dir: Path, name: str) -> None:
-    """Remove DATA_DIR/.NAME.tmp-* left by a prepare of the same dataset that was killed."""
-    for folder in data_dir.glob(f".{name}.tmp-*"):
-        if not folder.is_dir():
-            continue
-        try:
-            fd = os.open(folder / TEMP_LOCK, os.O_RDWR)
-        # No lock file: killed before it made one. (A live build in the microseconds between
-        # mkdtemp and its lock would lose its folder and fail with an error; nothing in place
-        # is touched.)
-        except FileNotFoundError:
-            shutil.rmtree(folder, ignore_errors=True)
-            continue
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live prepare holds it (or flock is unsupported): leave it alone
+    ``fingerprint``: the vocabulary a model was trained with (``owner`` names the model in
+    messages). The corpus must have it: a copy made with another vocabulary is refused before
+    anything is rebuilt, and one prepared anew here (none was there: the model's corpus was
+    prepared under another data directory) is kept only when it came out with that vocabulary,
+    i.e. it is the same preparation; else it is removed again and the error names
+    ``--data-dir``. ``log`` hears what was done (reused, or prepared and where).
+    """
+    if (Path(dataset) / "meta.json").is_file():
+        corpus = load_prepared(dataset)
+        check_fingerprint(corpus.vocab, fingerprint, what=str(corpus.path), against=owner)
+        corpus.reused = True
+        return corpus
+    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    folder = prepared_folder(dataset, data_dir, level)
+    before = _identity(folder)
+    if fingerprint is not None and before is not None:
+        found = _recorded_fingerprint(folder)
+        if found is not None and found != fingerprint:
+            raise DataError(
+                f"{folder} holds another preparation of {dataset} (vocabulary fingerprint "
+                f"{found}) than {owner}'s ({fingerprint}): point --data-dir at the data folder "
+                f"its corpus was prepared under"
+            )
+    path = prepare_dataset(dataset, data_dir, level=level, **prepare)  # type: ignore[arg-type]
+    corpus = load_prepared(path)
+    corpus.reused = before is not None and _identity(path) == before
+    if fingerprint is not None and corpus.vocab.fingerprint != fingerprint:
+        if before is None:  # this call made it, and it is not the model's corpus: undo that
+            shutil.rmtree(path, ignore_errors=True)
+        raise DataError(
+            f"no prepared copy of {dataset} with {owner}'s vocabulary ({fingerprint}) in "
+            f"{data_dir}; prepared there anew it has another ({corpus.vocab.fingerprint}), "
+            f"so its corpus was prepared elsewhere or otherwise: point --data-dir at the data "
+            f"folder it was prepared under"
+        )
+    if log is not None:
+        if corpus.reused:
+            log(f"{dataset}: reused the up-to-date prepared copy in {path}")
+        elif fingerprint is not None:
+            log(
+                f"{dataset}: no up-to-date copy in {data_dir}; prepared it in {path}, with "
+                f"{owner}'s vocabulary (fingerprint {fingerprint})"
+            )
         else:
-            shutil.rmtree(folder, ignore_errors=True)
-        finally:
-            os.close(fd)
+            log(f"{dataset}: prepared in {path}")
+    return corpus
 
 
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Two renames; the old copy is deleted only once the new one is in place."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+def _identity(folder: Path) -> tuple[int, int] | None:
+    """Which copy is at ``folder`` (a rebuild renames a new folder into place), if any."""
+    if not (folder / "meta.json").is_file():
+        return None
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
-def _read(kind: str, user_path: Path | None, paths: dict[str, Path], work: Path) -> RawCorpus:
-    if kind == "shakespeare":
-        return corpora.read_shakespeare()
-    if kind == "text":
-        assert user_path is not None
-        return corpora.read_user_text(user_path)[0]
-    if kind in ("wt2", "wt103"):
-        top = "wikitext-2" if kind == "wt2" else "wikitext-103"
-        return corpora.read_wikitext(paths[f"{top}-v1.zip"], work, top)
-    if kind == "ptb":
-        return corpora.read_ptb(paths["simple-examples.tgz"], work)
-    if kind == "enwik8":
-        return corpora.read_enwik8(paths["enwik8.zip"], work)
-    if kind == "text8":
-        return corpora.read_text8(paths["text8.zip"], work)
-    if kind == "lm1b":
-        archive, vocab_file = (paths[rf.name] for rf in SPECS["lm1b"].remote)
-        return corpora.read_lm1b(archive, vocab_file, work)
-    raise DataError(f"no reader for {kind}")  # pragma: no cover - SPECS and _read agree
+def _recorded_fingerprint(folder: Path) -> str | None:
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # damaged: prepare_dataset rebuilds it or says what is wrong
+    return meta.get("vocab_fingerprint") if isinstance(meta, dict) else None
 
 
 _OPTIONS_OF_LEVEL = {"word": ("min_freq", "max_vocab"), "bpe": ("vocab_size",)}
@@ -514,11 +271,11 @@ def _build_vocab(
     if level == "byte":
         return Vocab.byte_level()
     if raw.vocab_file is not None:
-        return read_lm1b_vocab(raw.vocab_file)
+        return sources.read_lm1b_vocab(raw.vocab_file)
     train = raw.splits["train"]
     if level == "bpe":
         texts = [t if isinstance(t, str) else t.decode("utf-8") for t, _ in train.pieces()]
-        return bpe.train_bpe(texts, vocab_size, renumber=False)  # see _encode_splits
+        return bpe.train_bpe(texts, vocab_size, renumber=False)  # see splits.encode_splits
     if level == "char":
         counts: Counter[str] = Counter()
         for text, _ in train.pieces():
@@ -541,18 +298,6 @@ def _build_vocab(
     return Vocab.build_word(words, min_freq=min_freq, max_size=max_vocab)
 
 
-def read_lm1b_vocab(path: Path) -> Vocab:
-    """``1b_word_vocab.txt``: one ``word [count]`` per line, in id order."""
-    text = corpora.read_text(path)
-    symbols = [line.split()[0] for line in text.splitlines() if line.strip()]
-    if len(set(symbols)) != len(symbols):
-        raise DataError(f"{path} lists a word twice; not the lm1b vocabulary file")
-    for needed in ("<S>", "</S>", "<UNK>"):
-        if needed not in symbols:
-            raise DataError(f"{path} lacks {needed}; not the lm1b vocabulary file")
-    return Vocab(symbols, "word", unk="<UNK>", eos="</S>", bos="<S>")
-
-
 def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     settings: dict = {"level": level, "newlines": "\\r\\n read as \\n; a leading BOM dropped"}
     if level == "char":
@@ -564,7 +309,7 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
     if level == "bpe":
         settings.update(
             kind="byte-level BPE (Hugging Face tokenizers), trained on the train split",
-            file=bpe.TOKENIZER_FILE,
+            file=TOKENIZER_FILE,
             eos=f"{vocab.eos} opens every document",
             unknown="none: every byte sequence is spelt",
             **options,
@@ -578,80 +323,3 @@ def _tokenizer_settings(level: str, vocab: Vocab, options: dict) -> dict:
             **options,
         )
     return settings
-
-
-def _encode_splits(
-    raw: RawCorpus, vocab: Vocab, folder: Path, *, progress: bool
-) -> tuple[Vocab, dict, np.ndarray]:
-    """Every split written; the final vocabulary, the splits' meta.json and train's counts.
-
-    A bpe vocabulary arrives numbered in merge order: train is encoded with it, then its ids
-    are renumbered by the counts of that pass (bpe.renumber_by_count) and train.bin is
-    rewritten through the map, before valid and test are encoded with the final numbering.
-    """
-    splits: dict = {}
-    splits["train"], counts = _encode_split(raw, "train", vocab, folder, progress=progress)
-    if isinstance(vocab, bpe.BPEVocab):
-        vocab, lut = bpe.renumber_by_count(vocab, counts)
-        file = folder / splits["train"]["file"]
-        ids = np.fromfile(file, dtype=np.dtype(vocab.dtype).newbyteorder("<"))
-        lut.astype(ids.dtype)[ids].tofile(file)
-        counts = counts[np.argsort(lut)]  # counts[new id]
-    for split in SPLITS[1:]:
-        splits[split] = _encode_split(raw, split, vocab, folder, progress=progress)[0]
-    return vocab, splits, counts
-
-
-def _encode_split(
-    raw: RawCorpus, split: str, vocab: Vocab, folder: Path, *, progress: bool = False
-) -> tuple[dict, np.ndarray]:
-    """Write SPLIT.bin; returns its meta.json entry and the split's token counts."""
-    source = raw.splits[split]
-    # numpy chunks, not one list of ints: lm1b has 30M sentence starts (1 GB as Python ints)
-    starts: list[np.ndarray] = [np.zeros(1, dtype=np.int64)]
-    n = 0
-    text_bytes = 0
-    counts = np.zeros(len(vocab), dtype=np.int64)
-    doc_start = vocab.doc_start_id
-    file = folder / f"{split}.bin"
-    bar = tqdm(
-        desc=f"{folder.name.split('.tmp-')[0].lstrip('.')} {split}",
-        unit=" tokens",
-        unit_scale=True,
-        disable=not progress,
-        leave=False,
-    )
-    with open(file, "wb") as f, bar:
-        for text, new_doc in source.pieces():
-            text_bytes += len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
-            if vocab.level == "word":
-                assert isinstance(text, str)
-                ids_list, line_starts = vocab.encode_lines(text)
-                ids = np.asarray(ids_list, dtype=vocab.dtype)
-                if source.line_docs:
-                    starts.append(n + np.asarray(line_starts, dtype=np.int64))
-            else:
-                ids = vocab.encode_array(text).astype(vocab.dtype)
-            if new_doc and doc_start is not None:  # bpe: <eos> opens every document
-                ids = np.concatenate([np.array([doc_start], dtype=vocab.dtype), ids])
-            if new_doc and not source.line_docs:
-                starts.append(np.array([n], dtype=np.int64))
-            f.write(ids.astype(ids.dtype.newbyteorder("<")).tobytes())
-            counts += np.bincount(ids, minlength=len(vocab))
-            n += len(ids)
-            bar.update(len(ids))
-    if n == 0:
-        raise DataError(f"the {split} split is empty after tokenisation")
-    doc = np.unique(np.concatenate(starts))
-    doc = doc[doc < n]
-    info: dict = {"file": file.name, "tokens": n, "bytes": n * vocab.dtype.itemsize}
-    info["text_bytes"] = text_bytes  # UTF-8 size of the split's text: bits per byte
-    if vocab.unk_id is not None:
-        info["unk_tokens"] = int(counts[vocab.unk_id])
-    info["documents"] = len(doc)
-    if len(doc) <= INLINE_DOC_STARTS:
-        info["doc_starts"] = doc.tolist()
-    else:
-        doc.astype("<i8").tofile(folder / f"{split}.docs.bin")
-        info["doc_starts_file"] = f"{split}.docs.bin"
-    return info, counts

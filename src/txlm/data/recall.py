@@ -55,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from txlm.data.building import building
+from txlm.data.prepared import FORMAT, FORMAT_VERSION, is_current
 from txlm.data.vocab import Vocab, write_text_atomic
 from txlm.errors import DataError
 
@@ -283,18 +285,16 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
     Deterministic in the spec: the same name gives the same bytes on every machine. An
     up-to-date copy is reused; the build happens in a temporary folder renamed into place.
     """
-    from txlm.data import prepare as prep
-
     spec = parse_spec(name)
     data_dir = Path(data_dir)
     out = data_dir / spec.folder_name
     key = _input_key(spec)
-    if not force and prep._is_current(out, key) and _copies_present(out):
+    if not force and is_current(out, key) and _copies_present(out):
         return out
     vocab = vocabulary(spec)
     # symbol index -> token id: the vocabulary sorts by code point
     lut = np.asarray([vocab.id_of(c) for c in SYMBOLS[: spec.alphabet]])
-    with prep.building(data_dir, out) as tmp:
+    with building(data_dir, out) as tmp:
         splits = {}
         copies = {}
         for i, split in enumerate(("train", "valid", "test")):
@@ -314,8 +314,8 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
             }
         vocab.save(tmp / "vocab.json")
         meta = {
-            "format": prep.FORMAT,
-            "version": prep.FORMAT_VERSION,
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
             "dataset": "recall",
             "name": out.name,
             "level": "char",
