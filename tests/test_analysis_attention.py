@@ -84,3 +84,27 @@ def test_figure6_view_of_a_chosen_head_and_position(model, tmp_path):
     ]:
         plot(maps, tmp_path / name)
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_one_head_at_one_position_by_distance(model):
+    # Figure 6's view: weight at distance d is the row's key M + query - d, and the summary's
+    # most attended distances are those weights, heaviest first.
+    ids = torch.randint(0, 64, (120,))
+    maps = am.attention_maps(model, ids, tgt_len=16, mem_len=32, head=(1, 0), position=70)
+    seg = maps.segment
+    assert seg is not None and (seg.layer, seg.head, seg.position) == (1, 0, 70)
+    assert (seg.segment_start, seg.query, seg.mem_len) == (64, 6, 32)
+    weights = seg.by_distance()
+    assert weights.shape == (32 + 6 + 1,)
+    for d in range(len(weights)):
+        assert float(weights[d]) == float(seg.probs[6, 32 + 6 - d])
+    assert float(weights.sum()) == pytest.approx(1.0, abs=1e-5)
+    top = seg.top_distances(3)
+    order = weights.argsort(descending=True)[:3].tolist()
+    assert [d for d, _ in top] == order
+    assert [w for _, w in top] == [float(weights[d]) for d in order]
+    text = am.format_table(maps, top=3)
+    line = next(x for x in text.splitlines() if x.startswith("head 1:0 at position 70"))
+    assert f"{order[0]} ({float(weights[order[0]]):.4f})" in line
+    fig6 = am.summary(maps, top=3)["figure6"]
+    assert fig6["position"] == 70 and [t["distance"] for t in fig6["top_distances"]] == order

@@ -60,7 +60,15 @@ def test_attention_json_and_figures(env):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["figure6"] == {"layer": 1, "head": 1, "segment_start": 144, "query": 6}
+    fig6 = out["figure6"]
+    assert {k: fig6[k] for k in ("layer", "head", "segment_start", "query", "position")} == {
+        "layer": 1, "head": 1, "segment_start": 144, "query": 6, "position": 150,
+    }  # fmt: skip
+    # that head at that position: its 5 most attended distances, heaviest first, each one
+    # it can see (memory 32 + 6 earlier queries of its segment + itself)
+    weights = [t["weight"] for t in fig6["top_distances"]]
+    assert len(weights) == 5 and weights == sorted(weights, reverse=True) and sum(weights) <= 1
+    assert all(0 <= t["distance"] <= 32 + 6 for t in fig6["top_distances"])
     assert out["mem_len"] == 32 and out["queries"] == 200 - 32
     assert len(out["mean_distance_per_head"]) == 2 and len(out["widest_heads"]) == 4
     names = sorted(os.path.basename(f) for f in out["figures"])

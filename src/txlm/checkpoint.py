@@ -30,7 +30,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from txlm.config import ModelConfig
-from txlm.errors import CheckpointError, ConfigError
+from txlm.data.vocab import Vocab, check_fingerprint
+from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model import TransformerXL, align
 
 FORMAT = "txlm"
@@ -338,13 +339,11 @@ def load(
     return model.eval()
 
 
-def load_vocab(directory: str | Path) -> Any:
-    """The vocabulary saved with a checkpoint (a ``txlm.data.Vocab``), checked to be the one
-    the model was trained with: vocab.json (and a bpe vocabulary's tokenizer.json) must give
-    the fingerprint config.json records. Missing: ``CheckpointError``."""
-    from txlm.data import Vocab  # only text in / text out needs the data package
-    from txlm.errors import DataError
-
+def load_vocab(directory: str | Path) -> Vocab:
+    """The vocabulary saved with a checkpoint, checked to be the one the model was trained
+    with: vocab.json (and a bpe vocabulary's tokenizer.json) must give the fingerprint
+    config.json records. Missing: ``CheckpointError``. The one reader of a checkpoint's
+    vocabulary."""
     directory = resolve(directory)
     path = directory / VOCAB_FILE
     if not path.is_file():
@@ -353,11 +352,23 @@ def load_vocab(directory: str | Path) -> Any:
         vocab = Vocab.load(path)
     except DataError as exc:  # the checkpoint is what is damaged, not a dataset
         raise CheckpointError(str(exc)) from None
-    recorded = read_config(directory).get("vocab_fingerprint")
-    if recorded is not None and recorded != vocab.fingerprint:
-        what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
-        raise CheckpointError(
-            f"{directory / what} does not match the checkpoint: its fingerprint is "
-            f"{vocab.fingerprint}, the model was trained with {recorded}"
-        )
+    what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
+    check_fingerprint(
+        vocab,
+        read_config(directory).get("vocab_fingerprint"),
+        what=str(directory / what),
+        against="the checkpoint's config.json",
+        error=CheckpointError,
+    )
     return vocab
+
+
+def vocab_fingerprint(directory: str | Path) -> str | None:
+    """The fingerprint of the vocabulary a checkpoint's model was trained with: the one
+    config.json records, else its vocab.json's; None when it has neither (converted
+    weights without a vocabulary)."""
+    directory = resolve(directory)
+    recorded = read_config(directory).get("vocab_fingerprint")
+    if recorded is not None or not (directory / VOCAB_FILE).is_file():
+        return recorded
+    return load_vocab(directory).fingerprint

@@ -47,9 +47,12 @@ import numpy as np
 import torch
 
 from txlm.config import PRESETS, ModelConfig
+from txlm.data import open_corpus
 from txlm.errors import ConfigError
 from txlm.evaluate import evaluate_tokens
 from txlm.train_config import TrainConfig
+from txlm.training import Trainer
+from txlm.training.metrics import METRICS_FILE
 
 # Shapes for this analysis. "small": the default, about 30 minutes for the four models on
 # 2 CPU cores; "tiny": a couple of minutes; "debug": seconds (tests).
@@ -248,8 +251,6 @@ def variant_config(
 def train_variant(config: TrainConfig, out: Path, *, device: str) -> tuple[Any, float]:
     """Train one model of the group with the trainer; (model, mean loss of the last 10% of
     steps)."""
-    from txlm.train import Trainer
-
     config.run.device = device
     trainer = Trainer(config, out, echo=False)
     trainer.fit()
@@ -259,8 +260,6 @@ def train_variant(config: TrainConfig, out: Path, *, device: str) -> tuple[Any, 
 
 
 def trainer_records(out: Path) -> list[dict[str, Any]]:
-    from txlm.training.metrics import METRICS_FILE
-
     path = out / METRICS_FILE
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
@@ -296,7 +295,7 @@ def run_ablation(
     dataset, folder_dir, level = _dataset(data)
     data_dir = folder_dir or data_dir
     tgt = s["tgt_len"]
-    corpus = _corpus(dataset, data_dir, level)
+    corpus = open_corpus(dataset, data_dir, level=level)
     valid = np.asarray(corpus.split("valid")[: s["eval_tokens"] + 1])
     metric = corpus.metric  # bpc, bpb or ppl, as txlm train reports it
     rows = []
@@ -355,15 +354,6 @@ def run_ablation(
         dataset=str(corpus.meta.get("name", data)),
         seconds=time.perf_counter() - start,
         threads=torch.get_num_threads(),
-    )
-
-
-def _corpus(dataset: str, data_dir: str | None, level: str | None):
-    from txlm.data import load_prepared, prepare_dataset
-    from txlm.data.prepare import default_data_dir
-
-    return load_prepared(
-        prepare_dataset(dataset, data_dir or default_data_dir(), level=level, progress=False)
     )
 
 

@@ -59,6 +59,23 @@ class SegmentView:
     query: int  # which row the single-position plot shows
     mem_len: int
 
+    @property
+    def position(self) -> int:
+        """The stream position of the query shown."""
+        return self.segment_start + self.query
+
+    def by_distance(self) -> Tensor:
+        """[D] the query's attention weight at each relative distance 0..D-1 (D: the keys it
+        may see). Key j of the segment's K = M + L lies M + query - j back."""
+        row = self.probs[self.query, : self.mem_len + self.query + 1]  # the visible keys
+        return row.flip(0)
+
+    def top_distances(self, k: int = 5) -> list[tuple[int, float]]:
+        """The ``k`` most attended distances and their weights, heaviest first."""
+        weights = self.by_distance()
+        top = weights.topk(min(k, weights.numel()))
+        return [(int(d), float(w)) for w, d in zip(top.values, top.indices, strict=True)]
+
 
 @dataclass
 class AttentionMaps:
@@ -256,11 +273,19 @@ def summary(maps: AttentionMaps, top: int = 5) -> dict:
         d = torch.arange(m.size(-1), dtype=m.dtype)
         out[f"term_{t}_mean_distance"] = round(float((m * d).sum(-1).mean()), 3)
     if maps.segment is not None:
+        seg = maps.segment
+        weights = seg.by_distance()
+        d = torch.arange(weights.numel(), dtype=weights.dtype)
         out["figure6"] = {
-            "layer": maps.segment.layer,
-            "head": maps.segment.head,
-            "segment_start": maps.segment.segment_start,
-            "query": maps.segment.query,
+            "layer": seg.layer,
+            "head": seg.head,
+            "segment_start": seg.segment_start,
+            "query": seg.query,
+            "position": seg.position,
+            "mean_distance": round(float((weights * d).sum()), 3),
+            "top_distances": [
+                {"distance": dist, "weight": round(w, 5)} for dist, w in seg.top_distances(top)
+            ],
         }
     return out
 
@@ -285,6 +310,15 @@ def format_table(maps: AttentionMaps, top: int = 5) -> str:
         d = torch.arange(m.size(-1), dtype=m.dtype)
         lines.append(
             f"term ({t}) alone: mean attended distance {float((m * d).sum(-1).mean()):.2f}"
+        )
+    if maps.segment is not None:
+        seg = maps.segment
+        weights = seg.by_distance()
+        d = torch.arange(weights.numel(), dtype=weights.dtype)
+        tops = ", ".join(f"{dist} ({w:.4f})" for dist, w in seg.top_distances(top))
+        lines.append(
+            f"head {seg.layer}:{seg.head} at position {seg.position} (Figure 6): mean attended "
+            f"distance {float((weights * d).sum()):.2f}; most attended distances (weight): {tops}"
         )
     return "\n".join(lines)
 

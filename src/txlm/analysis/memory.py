@@ -38,9 +38,14 @@ import numpy as np
 import torch
 
 from txlm.analysis.ablation import Variant, variants
+from txlm.checkpoint import load
+from txlm.data import open_corpus
+from txlm.data.recall import copy_distances
 from txlm.errors import ConfigError
+from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
-from txlm.train_config import TrainConfig, apply_set, preset_config
+from txlm.train_config import TrainConfig, apply_set, parse_set, preset_config
+from txlm.training import Trainer
 
 PRESET = "recall"
 # The associative form of the recall task (txlm.data.recall.generate_pairs): a value stored
@@ -104,8 +109,6 @@ class MemoryBenchSettings:
         for key, value in overrides.items():
             if value is not None:
                 apply_set(c, key, value)
-        from txlm.train_config import parse_set
-
         for item in self.sets:
             apply_set(c, *parse_set(item))
         c.validate()
@@ -193,8 +196,6 @@ def copy_profile(
     ``tgt_len``: evaluation segment length (None: the model's); ``clamp_len`` > 0: distances
     beyond it share one encoding; ``reach_bins``: a second, coarse set of distance buckets.
     """
-    from txlm.evaluate import stream_segments
-
     start = time.perf_counter()
     n = len(tokens)
     row_len = math.ceil((n - 1) / rows)
@@ -303,18 +304,12 @@ def run_memory_bench(
     log=None,
 ) -> MemoryBenchResult:
     """Train every variant with ``txlm.train.Trainer`` into ``runs_dir/NAME``; profile each."""
-    from txlm.checkpoint import load
-    from txlm.data import load_prepared, prepare_dataset
-    from txlm.data.prepare import default_data_dir
-    from txlm.data.recall import copy_distances
-    from txlm.train import Trainer
-
     start = time.perf_counter()
     if settings.clamp not in ("none", "train", "both"):
         raise ConfigError(f"clamp must be none, train or both, got {settings.clamp!r}")
     base = settings.base_config(data_dir, device)
-    folder = prepare_dataset(base.data.dataset, data_dir or default_data_dir(), progress=False)
-    corpus = load_prepared(folder)
+    corpus = open_corpus(base.data.dataset, data_dir)
+    folder = corpus.path
     if corpus.meta.get("dataset") != "recall":
         raise ConfigError(f"{folder} is not a recall dataset (txlm prepare recall)")
     spec = corpus.meta["corpus"]["spec"]

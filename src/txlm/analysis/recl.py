@@ -26,14 +26,17 @@ every c (all t >= c_max), so the losses are comparable across lengths.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from txlm.errors import ConfigError
+from txlm.checkpoint import vocab_fingerprint
+from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
 
 THRESHOLD = 0.01
@@ -164,6 +167,45 @@ def compute_recl(
                 unnormalised_gain(losses, i, k, k + 1, r) for k in range(c - 1)
             ]
     return res
+
+
+# -- the model group ---------------------------------------------------------------------------
+def group_names(checkpoints: Sequence[str | Path], names: Sequence[str] | None = None) -> list[str]:
+    """One distinct name per checkpoint: ``names``, else each run's folder (RUN for RUN/best
+    or RUN/last, else the checkpoint's own folder name)."""
+    if names is None:
+        names = [_run_name(Path(p)) for p in checkpoints]
+    names = list(names)
+    if len(names) != len(checkpoints):
+        raise ConfigError(f"{len(names)} --names for {len(checkpoints)} checkpoints")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"model names must differ, got {names} (use --names)")
+    return names
+
+
+def _run_name(p: Path) -> str:
+    return p.parent.name if p.name in ("best", "last") and p.parent.name else p.name
+
+
+def check_contexts(contexts: Sequence[int]) -> None:
+    """RECL compares each context with the next: at least two, one step Delta apart."""
+    if len(contexts) < 2:
+        raise ConfigError("RECL needs at least two context lengths")
+    steps = {b - a for a, b in itertools.pairwise(contexts)}
+    if len(steps) != 1 or min(contexts) < 1:
+        raise ConfigError(
+            f"context lengths must be positive and evenly spaced (one step Delta), got "
+            f"{list(contexts)}"
+        )
+
+
+def check_same_vocabulary(checkpoints: Sequence[str | Path]) -> None:
+    """Every model of the group must read the same token ids: one vocabulary."""
+    first = vocab_fingerprint(checkpoints[0])
+    for other in checkpoints[1:]:
+        found = vocab_fingerprint(other)
+        if first is not None and found is not None and found != first:
+            raise CheckpointError(f"{other} has another vocabulary than {checkpoints[0]}")
 
 
 # -- per-token losses from a model ------------------------------------------------------------

@@ -63,6 +63,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _note(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
     from txlm.errors import ConfigError
 
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from txlm import checkpoint
-    from txlm.data import default_data_dir, load_prepared, prepare_dataset
+    from txlm.data import open_corpus
     from txlm.errors import CheckpointError
     from txlm.evaluate import evaluate_tokens
 
@@ -98,21 +102,16 @@ def run(args: argparse.Namespace) -> int:
     dataset = args.dataset or data.get("dataset")
     if not dataset:
         raise CheckpointError(f"{ckpt} does not name its dataset: pass --dataset")
-    data_dir = args.data_dir or data.get("data_dir") or default_data_dir()
     show = not args.no_progress and not args.json and sys.stderr.isatty()
-    corpus = load_prepared(
-        prepare_dataset(dataset, data_dir, level=data.get("level"), progress=show)
+    corpus = open_corpus(
+        dataset,
+        args.data_dir or data.get("data_dir"),
+        level=data.get("level"),
+        fingerprint=checkpoint.vocab_fingerprint(ckpt),
+        owner=str(ckpt),
+        log=None if args.json else _note,
+        progress=show,
     )
-    fingerprint = saved.get("vocab_fingerprint")
-    if fingerprint is None and (ckpt / checkpoint.VOCAB_FILE).is_file():
-        from txlm.data import Vocab
-
-        fingerprint = Vocab.load(ckpt / checkpoint.VOCAB_FILE).fingerprint
-    if fingerprint != corpus.vocab.fingerprint:
-        raise CheckpointError(
-            f"{ckpt} was trained on another vocabulary (fingerprint {fingerprint}) than "
-            f"{corpus.path} ({corpus.vocab.fingerprint})"
-        )
     model = checkpoint.load(ckpt, device=device)
 
     def pick(flag, key):

@@ -7,6 +7,9 @@ import json
 import sys
 import time
 
+from txlm.data import open_corpus
+from txlm.data.metrics import describe
+
 DATASETS = (
     "shakespeare (default, offline) | wt2 | wt103 | ptb | enwik8 | text8 | lm1b | text:PATH | "
     "recall[:key=value,...]"
@@ -80,13 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from txlm.data.metrics import describe
-    from txlm.data.prepare import default_data_dir, load_prepared, prepare_dataset
-
     start = time.perf_counter()
-    path = prepare_dataset(
+    corpus = open_corpus(
         args.dataset,
-        args.data_dir or default_data_dir(),
+        args.data_dir,
         level=args.level,
         force=args.force,
         mirror=args.mirror,
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         vocab_size=args.vocab_size,
     )
     seconds = time.perf_counter() - start
-    corpus = load_prepared(path)
+    path = corpus.path
     splits = {name: info["tokens"] for name, info in corpus.meta["splits"].items()}
     summary: dict = {
         "path": str(path),
@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             for name in splits
             if (tpb := corpus.tokens_per_byte(name)) is not None
         },
+        "reused": corpus.reused,
         "seconds": round(seconds, 3),
     }
     options = corpus.meta.get("options") or {}
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
+    if corpus.reused:
+        print(f"{path}: an up-to-date copy was there, reused it (--force rebuilds)")
     counts = ", ".join(f"{k} {v:,}" for k, v in splits.items())
     asked = ""
     if "vocab_size" in options and options["vocab_size"] != len(corpus.vocab):

@@ -155,25 +155,30 @@ def open_corpus(
     fingerprint: str | None = None,
     owner: str = "the checkpoint",
     log: Callable[[str], None] | None = None,
-    **prepare: object,
+    progress: bool = False,
+    force: bool = False,
+    mirror: str | None = None,
+    min_freq: int | None = None,
+    max_vocab: int | None = None,
+    vocab_size: int | None = None,
 ) -> PreparedCorpus:
-    """The prepared corpus ``dataset``, prepared under ``data_dir`` if there is no up-to-date
-    copy (``prepare``: ``prepare_dataset``'s options), or read as it is when ``dataset`` is a
-    prepared folder.
+    """The prepared corpus ``dataset``, prepared under ``data_dir`` (default: ``$TXLM_DATA_DIR``
+    or ./data) if there is no up-to-date copy, or read as it is when ``dataset`` is a prepared
+    folder. ``progress`` to ``vocab_size``: as ``prepare_dataset``.
 
     ``fingerprint``: the vocabulary a model was trained with (``owner`` names the model in
     messages). The corpus must have it: a copy made with another vocabulary is refused before
     anything is rebuilt, and one prepared anew here (none was there: the model's corpus was
     prepared under another data directory) is kept only when it came out with that vocabulary,
     i.e. it is the same preparation; else it is removed again and the error names
-    ``--data-dir``. ``log`` hears what was done (reused, or prepared and where).
+    ``--data-dir``. ``log`` hears where a copy was prepared (``corpus.reused``: none was).
     """
     if (Path(dataset) / "meta.json").is_file():
         corpus = load_prepared(dataset)
         check_fingerprint(corpus.vocab, fingerprint, what=str(corpus.path), against=owner)
         corpus.reused = True
         return corpus
-    data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
+    data_dir = Path(data_dir) if data_dir else default_data_dir()
     folder = prepared_folder(dataset, data_dir, level)
     before = _identity(folder)
     if fingerprint is not None and before is not None:
@@ -184,7 +189,17 @@ def open_corpus(
                 f"{found}) than {owner}'s ({fingerprint}): point --data-dir at the data folder "
                 f"its corpus was prepared under"
             )
-    path = prepare_dataset(dataset, data_dir, level=level, **prepare)  # type: ignore[arg-type]
+    path = prepare_dataset(
+        dataset,
+        data_dir,
+        level=level,
+        force=force,
+        mirror=mirror,
+        progress=progress,
+        min_freq=min_freq,
+        max_vocab=max_vocab,
+        vocab_size=vocab_size,
+    )
     corpus = load_prepared(path)
     corpus.reused = before is not None and _identity(path) == before
     if fingerprint is not None and corpus.vocab.fingerprint != fingerprint:
@@ -196,10 +211,8 @@ def open_corpus(
             f"so its corpus was prepared elsewhere or otherwise: point --data-dir at the data "
             f"folder it was prepared under"
         )
-    if log is not None:
-        if corpus.reused:
-            log(f"{dataset}: reused the up-to-date prepared copy in {path}")
-        elif fingerprint is not None:
+    if log is not None and not corpus.reused:
+        if fingerprint is not None:
             log(
                 f"{dataset}: no up-to-date copy in {data_dir}; prepared it in {path}, with "
                 f"{owner}'s vocabulary (fingerprint {fingerprint})"

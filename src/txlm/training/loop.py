@@ -159,27 +159,19 @@ class Trainer:
     # -- construction -----------------------------------------------------------------------
     def _load_data(self) -> None:
         """Rank 0 prepares the corpus (download, tokenise); the others then read the folder."""
-        from txlm.data import (
-            SentenceStreamIterator,
-            StreamIterator,
-            default_data_dir,
-            load_prepared,
-            prepare_dataset,
-        )
+        from txlm.data import SentenceStreamIterator, StreamIterator, open_corpus
 
         c = self.config
-        data_dir = Path(c.data.data_dir) if c.data.data_dir else default_data_dir()
         if self.dist.is_main:
-            path = prepare_dataset(
+            self.corpus = open_corpus(
                 c.data.dataset,
-                data_dir,
+                c.data.data_dir,
                 level=c.data.level,
                 progress=self.echo and c.run.progress and sys.stderr.isatty(),
             )
         dist.barrier()
         if not self.dist.is_main:
-            path = prepare_dataset(c.data.dataset, data_dir, level=c.data.level, progress=False)
-        self.corpus = load_prepared(path)
+            self.corpus = open_corpus(c.data.dataset, c.data.data_dir, level=c.data.level)
         self.vocab = self.corpus.vocab
         self.metric = self.corpus.metric
         self.model_config: ModelConfig = c.model_config(len(self.vocab))
