@@ -98,6 +98,22 @@ def test_recl_json_table(env):
     )  # fmt: skip
     assert text.returncode == 0, text.stderr
     assert "RECL (Appendix C)" in text.stdout and "norec" in text.stdout
+    # stderr is a pipe here, as a log file would be: plain lines, one per model, no bar
+    assert "\r" not in text.stderr
+    assert "per-token losses: xl done (1/2)" in text.stderr.splitlines()
+    assert "per-token losses: norec done (2/2)" in text.stderr.splitlines()
+
+
+def test_ablate_help_names_the_presets_it_takes(capsys):
+    from txlm.analysis.ablation import ABLATION_PRESETS
+    from txlm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["ablate", "--help"])
+    assert exit_.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split())
+    assert "small, tiny, debug (default small" in usage and "ablation-small" not in usage
+    assert {"small", "tiny", "debug"} <= set(ABLATION_PRESETS)
 
 
 @pytest.mark.slow

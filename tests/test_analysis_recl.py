@@ -98,3 +98,17 @@ def test_token_losses_use_exactly_c_tokens_of_context():
     moved = recl.token_losses(model, changed, [c], targets[4:5])
     assert abs(moved[0, 0] - losses[1, 4]) > 1e-4
     assert model.config.mem_len == 16  # lengths restored
+
+
+def test_group_names_and_contexts_are_checked_in_the_library():
+    assert recl.group_names(["runs/xl/best", "runs/shaw/last", "ckpt"]) == ["xl", "shaw", "ckpt"]
+    assert recl.group_names(["a", "b"], ["x", "y"]) == ["x", "y"]
+    with pytest.raises(ConfigError, match="1 --names for 2 checkpoints"):
+        recl.group_names(["a", "b"], ["x"])
+    with pytest.raises(ConfigError, match="must differ"):
+        recl.group_names(["runs/a/best", "other/a/best"])
+    recl.check_contexts([4, 8, 12])
+    with pytest.raises(ConfigError, match="at least two"):
+        recl.check_contexts([4])
+    with pytest.raises(ConfigError, match="evenly spaced"):
+        recl.check_contexts([4, 8, 16])

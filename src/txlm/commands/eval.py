@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         level=data.get("level"),
         fingerprint=checkpoint.vocab_fingerprint(ckpt),
         owner=str(ckpt),
-        log=None if args.json else _note,
+        log=_note,  # on stderr, so --json output stays one object
         progress=show,
     )
     model = checkpoint.load(ckpt, device=device)
