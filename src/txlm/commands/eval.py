@@ -102,12 +102,18 @@ def run(args: argparse.Namespace) -> int:
     dataset = args.dataset or data.get("dataset")
     if not dataset:
         raise CheckpointError(f"{ckpt} does not name its dataset: pass --dataset")
+    fingerprint = checkpoint.vocab_fingerprint(ckpt)
+    if fingerprint is None:
+        raise CheckpointError(
+            f"{ckpt} records no vocabulary (no vocab.json, no fingerprint): nothing says its "
+            f"token ids are those of {dataset}"
+        )
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     corpus = open_corpus(
         dataset,
         args.data_dir or data.get("data_dir"),
         level=data.get("level"),
-        fingerprint=checkpoint.vocab_fingerprint(ckpt),
+        fingerprint=fingerprint,
         owner=str(ckpt),
         log=_note,  # on stderr, so --json output stays one object
         progress=show,
