@@ -59,6 +59,18 @@ def main(argv: list[str] | None = None) -> int:
         reason = exc.strerror or str(exc) or type(exc).__name__
         sys.stderr.write(f"txlm: error: {reason}{where}\n")
         return 2
+    except (MemoryError, RuntimeError) as exc:
+        # Memory that ran out although the checks before allocation passed (they are lower
+        # bounds: txlm.resources). Files are written atomically and a training run's
+        # checkpoints only ever replaced whole, so what is on disk is still the last good
+        # state; the message says so in one line. Any other RuntimeError is a bug.
+        from txlm.resources import out_of_memory_message
+
+        message = out_of_memory_message(exc)
+        if message is None:
+            raise
+        sys.stderr.write(f"txlm: error: {message}\n")
+        return 2
     except KeyboardInterrupt:
         sys.stderr.write("txlm: interrupted\n")
         return 130

@@ -54,6 +54,22 @@ def init(device_type: str) -> DistInfo:
     return DistInfo(rank=rank, world_size=world, local_rank=local)
 
 
+def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module`` under DDP: gradients averaged over ranks in backward.
+
+    The model has no buffers to keep in step (every tensor is a parameter), so none are
+    broadcast before each forward: ``forward_sync_buffers=False``, the argument that
+    replaces the deprecated ``broadcast_buffers`` (torch 2.13).
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False,
+    )
+
+
 def backend_for(device_type: str) -> str:
     """The process group's backends: NCCL for CUDA tensors plus gloo for host tensors."""
     return "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"

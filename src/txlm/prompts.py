@@ -5,7 +5,10 @@ and ``txlm generate`` with the same seed give the same text.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+from txlm.errors import ConfigError
 
 
 def start_token(vocab: Any) -> int | None:
@@ -42,3 +45,29 @@ def encode_prompt(vocab: Any, text: str) -> tuple[list[int], int]:
     ):
         ids.pop()
     return ids, vocab.count_unknown(text)
+
+
+# A prompt is read whole before it is encoded; only its last --max-context tokens (512 by
+# default) are ever read by the model. A bound keeps an endless source (a device, a pipe that
+# never closes) from taking all memory: read at most this much, refuse anything longer.
+MAX_PROMPT_BYTES = 64 * 1024 * 1024
+
+
+def read_prompt_file(path: Path, limit: int = MAX_PROMPT_BYTES) -> str:
+    """The text of a prompt file, at most ``limit`` bytes of UTF-8 (else ``ConfigError``)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"prompt file {path} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise ConfigError(
+            f"prompt file {path} is longer than {limit // 2**20} MiB: pass a shorter prompt "
+            "(only its last --max-context tokens are read)"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read prompt file {path}: not UTF-8 text ({exc})") from None

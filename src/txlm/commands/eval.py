@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         return eval_file.run(args)
     import torch
 
-    from txlm import checkpoint
+    from txlm import checkpoint, resources
     from txlm.data import open_corpus
     from txlm.errors import CheckpointError
     from txlm.evaluate import evaluate_tokens
@@ -123,14 +123,27 @@ def run(args: argparse.Namespace) -> int:
     def pick(flag, key):
         return flag if flag is not None else defaults.get(key)
 
-    result = evaluate_tokens(
-        model,
-        corpus.split(args.split),
-        batch_size=pick(args.batch_size, "batch_size") or 1,
+    batch_size = pick(args.batch_size, "batch_size") or 1
+    lengths = dict(
         tgt_len=pick(args.tgt_len, "eval_tgt_len"),
         mem_len=pick(args.mem_len, "eval_mem_len"),
         clamp_len=pick(args.clamp_len, "eval_clamp_len"),
         same_length=pick(args.same_length, "same_length"),
+    )
+    # A memory or cache that cannot fit is refused before it is allocated (a lower bound,
+    # txlm.resources); the loaded weights are already taken from what is available.
+    c, tokens = model.config, corpus.split(args.split)
+    resources.check_evaluation(
+        c, device, weights=0, rows=min(batch_size, max(len(tokens) - 1, 1)),
+        tgt_len=lengths["tgt_len"] or c.tgt_len,
+        mem_len=c.mem_len if lengths["mem_len"] is None else lengths["mem_len"],
+        precision=args.precision, kv_cache=args.kv_cache,
+    )  # fmt: skip
+    result = evaluate_tokens(
+        model,
+        tokens,
+        batch_size=batch_size,
+        **lengths,
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,

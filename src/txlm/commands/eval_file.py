@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
 from txlm.devices import resolve_device
 from txlm.errors import ConfigError
 
@@ -25,8 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from txlm.score import score_file
 
     for name, minimum in (("tgt_len", 1), ("mem_len", 0)):
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(getattr(args, "device", "auto"))
+    _check_memory(args, device)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
     result = score_file(
         args.checkpoint,
@@ -53,6 +54,35 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.file}: {summary_line(result)}, <unk> {result['unk_tokens']:,} tokens")
     return 0
+
+
+def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
+    """Before loading: refuse a text, memory or segment that cannot fit (txlm.resources).
+    The lengths default as ``score_file`` defaults them."""
+    from txlm import checkpoint, resources
+
+    ckpt = checkpoint.resolve(args.checkpoint)
+    saved = (checkpoint.read_config(ckpt).get("train") or {}).get("eval") or {}
+    config = resources.checkpoint_model_config(ckpt)
+
+    def pick(name: str, key: str, default: int) -> int:
+        value = getattr(args, name, None)
+        value = saved.get(key) if value is None else value
+        return default if value is None else value
+
+    if args.file.exists() and not args.file.is_file():
+        # a device or a pipe may never end, and the file is read whole
+        raise ConfigError(f"--file {args.file} is not a regular file: pass a text file")
+    try:
+        text_bytes = args.file.stat().st_size if args.file.is_file() else 0
+    except OSError:
+        text_bytes = 0  # score_file names the unreadable file
+    resources.check_evaluation(
+        config, device, weights=resources.weights_bytes(ckpt), rows=1,
+        tgt_len=pick("tgt_len", "eval_tgt_len", config.tgt_len),
+        mem_len=pick("mem_len", "eval_mem_len", config.mem_len),
+        precision=getattr(args, "precision", "fp32"), kv_cache=False, text_bytes=text_bytes,
+    )  # fmt: skip
 
 
 def summary_line(result: dict) -> str:

@@ -24,7 +24,7 @@ from txlm.devices import check_precision, resolve_device
 from txlm.errors import CheckpointError, ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import SamplingConfig, stream
-from txlm.prompts import encode_prompt, end_token, start_token
+from txlm.prompts import encode_prompt, end_token, read_prompt_file, start_token
 from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
@@ -109,13 +109,24 @@ class _TextStream:
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         return list(args.prompt)
-    path: Path = args.prompt_file
-    try:
-        return [path.read_text(encoding="utf-8")]
-    except FileNotFoundError:
-        raise ConfigError(f"prompt file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read prompt file {path}: {exc}") from None
+    return [read_prompt_file(args.prompt_file)]
+
+
+def _check_memory(args: argparse.Namespace, device: torch.device, *, rows: int) -> None:
+    """Before loading: refuse a cache (rows x memory) that cannot fit (txlm.resources)."""
+    from txlm import resources
+    from txlm.checkpoint import resolve
+
+    ckpt = resolve(args.checkpoint)
+    config = resources.checkpoint_model_config(ckpt)
+    mem_len = config.mem_len if args.mem_len is None else args.mem_len
+    if mem_len < 0:
+        return  # refused with its own message once the lengths are set
+    resources.check_generation(
+        config, device, weights=resources.weights_bytes(ckpt), rows=rows,
+        samples=args.num_samples, mem_len=mem_len, precision=args.precision,
+        cache=not args.no_cache,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 
+    _check_memory(args, device, rows=len(texts) * args.num_samples)
     model = load(args.checkpoint, device=device)
     vocab = checkpoint_vocab(args.checkpoint)
     if len(vocab) != model.config.vocab_size:

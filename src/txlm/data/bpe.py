@@ -32,6 +32,11 @@ MIN_VOCAB_SIZE = BYTE_ALPHABET + 1  # the 256 byte symbols and <eos>
 # Small corpora (1-10 MB, the "your own folder of text" case) give each of 8k tokens a few
 # hundred occurrences to learn its embedding from; 16k and more pay off from ~100 MB on.
 DEFAULT_VOCAB_SIZE = 8192
+# Ids are 32-bit in the tokenizers library and in the prepared .bin files; the library also
+# reserves memory in proportion to the size it is given before it looks at the text (about
+# 70 bytes per entry: 10^12 aborts the process). Sizes above this are refused; below it the
+# size handed to the library is the most that the text can give (``_learnable``).
+MAX_VOCAB_SIZE = 2**31 - 1
 
 
 # -- training ------------------------------------------------------------------------------
@@ -43,6 +48,19 @@ def check_vocab_size(vocab_size: int) -> None:
             f"--vocab-size {vocab_size} is smaller than the byte alphabet: a byte-level BPE "
             f"needs at least {MIN_VOCAB_SIZE} (256 byte symbols + {EOS})"
         )
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise DataError(
+            f"--vocab-size {vocab_size} is above the largest a bpe vocabulary can have "
+            f"({MAX_VOCAB_SIZE}, 32-bit ids): lower --vocab-size"
+        )
+
+
+def _learnable(vocab_size: int, chars: int) -> int:
+    """The most tokens BPE can learn from ``chars`` characters: each merge needs a pair seen
+    twice (``min_frequency=2``) and removes at least two of the text's at most 4 * chars
+    byte tokens, so there are at most 2 * chars merges. Asking the library for more gives
+    the same vocabulary, after reserving memory for the size asked."""
+    return min(vocab_size, MIN_VOCAB_SIZE + 2 * chars)
 
 
 def train_bpe(
@@ -71,7 +89,7 @@ def train_bpe(
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=_learnable(vocab_size, chars),
         min_frequency=2,
         special_tokens=[EOS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm import checkpoint
+from txlm import checkpoint, resources
 from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
@@ -119,6 +119,7 @@ class Trainer:
             )
 
         self._load_data()
+        resources.check_training(self.model_config, self.device, config, world)
         self.objective = OBJECTIVES[config.optim.loss]
 
         # Model and optimizer. Every rank builds the same initial weights from the seed.
@@ -145,13 +146,7 @@ class Trainer:
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
         if self.dist.enabled:
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            self.forward_model = DDP(
-                self.forward_model,
-                device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
-            )
+            self.forward_model = dist.data_parallel(self.forward_model, self.device)
         self.compiled = compile_wanted(r.compile, self.device)
         if self.compiled:
             self.forward_model = torch.compile(self.forward_model)
