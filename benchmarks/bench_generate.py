@@ -23,7 +23,8 @@ Random weights: speed does not depend on them.
 
     .venv/bin/python benchmarks/bench_generate.py [--quick]
 
-Writes benchmarks/results/generate.json and prints it.
+Writes runs/bench/generate.json (--out; benchmarks/results/ holds the committed figures)
+and prints it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ from txlm.generate import CachedDecoder, SamplingConfig, UncachedDecoder, sample
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
 
-RESULTS = Path(__file__).parent / "results" / "generate.json"
+# scratch by default (under the current directory, as txlm train's runs/); --out
+# benchmarks/results/generate.json updates the committed one
+RESULTS = Path("runs") / "bench" / "generate.json"
 
 SHAPES = {
     "small": dict(

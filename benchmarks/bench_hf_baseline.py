@@ -13,7 +13,7 @@ round, with memory carried across steps (full 128-position memory from the first
 - eval: forward under no_grad, eval mode.
 Reported: median tokens/s over rounds (wall clock, and per CPU-second of this process, which
 a shared machine disturbs less), txlm/HF ratios, and model FLOPs utilisation (wall clock)
-against the fp32 matmul peak measured here. JSON to stdout and benchmarks/results/hf_baseline.json.
+against the fp32 matmul peak measured here. JSON to stdout and runs/bench/hf_baseline.json (--out).
 Not part of the test suite; about 2-3 minutes on 2 cores.
 """
 
@@ -163,7 +163,10 @@ def main() -> int:
     ap.add_argument("--train-steps", type=int, default=2, help="timed train steps per round")
     ap.add_argument("--eval-steps", type=int, default=4, help="timed eval steps per round")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results/hf_baseline.json")
+    # scratch by default (under the current directory, as txlm train's runs/); --out
+    # benchmarks/results/hf_baseline.json updates the committed one
+    scratch = Path("runs") / "bench" / "hf_baseline.json"
+    ap.add_argument("--out", type=Path, default=scratch)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     started = time.perf_counter()

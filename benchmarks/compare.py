@@ -1,6 +1,6 @@
 """txlm against transformers 4.37.2 TransfoXL: same configs, same weights, same process.
 
-    python benchmarks/compare.py                   # both configs, fp32 + bf16, JSON to results/
+    python benchmarks/compare.py                   # both configs, fp32 + bf16, JSON to runs/bench/
     python benchmarks/compare.py --quick           # one round, small: a smoke run (~1 min)
     python benchmarks/compare.py --configs cpu --dtypes fp32 --rounds 7
 
@@ -62,7 +62,9 @@ from txlm.data.vocab import write_text_atomic
 from txlm.generate import CachedDecoder
 from txlm.model.kv_eval import CachedEvaluator
 
-RESULTS = Path(__file__).parent / "results" / "compare.json"
+# scratch by default (under the current directory, as txlm train's runs/); --out
+# benchmarks/results/compare.json updates the committed one
+RESULTS = Path("runs") / "bench" / "compare.json"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ memory, plain and with the K/V cache, and greedy decoding (batch 1, mem 512, 32 
 a 512-token context, steps only): ``generate`` as ``txlm generate`` runs it (the new code with
 its CPU one-token step over the cache), ``generate_modules`` the new code's steps through the
 modules only (``CachedDecoder(one_token=False)``): the measurement that keeps the one-token
-step (txlm.model.one_token). Writes benchmarks/results/compare_revisions.json (--out).
+step (txlm.model.one_token). Writes runs/bench/compare_revisions.json (--out).
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).parent / "results" / "compare_revisions.json"
+# scratch by default (under the current directory, as txlm train's runs/); --out
+# benchmarks/results/compare_revisions.json updates the committed one
+RESULTS = Path("runs") / "bench" / "compare_revisions.json"
 SHAPE = dict(vocab_size=204, n_layer=4, d_model=256, n_head=8, d_head=32, d_inner=1024,
              tgt_len=128, mem_len=128, dropout=0.1, dropatt=0.0, cutoffs=[], div_val=1)  # fmt: skip
 

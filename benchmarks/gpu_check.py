@@ -65,7 +65,9 @@ from txlm.model.kv_eval import CachedEvaluator
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
 
-RESULTS = Path(__file__).parent / "results" / "gpu_check.json"
+# scratch by default (under the current directory, as txlm train's runs/); --out
+# benchmarks/results/gpu_check.json updates the committed one
+RESULTS = Path("runs") / "bench" / "gpu_check.json"
 SHAPES = {"wt103-base": 60, "enwik8-base": 22}  # preset: batch rows (the paper's)
 SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "d_head", "d_inner", "vocab_size", "tgt_len",
                 "mem_len")  # fmt: skip

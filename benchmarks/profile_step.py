@@ -10,12 +10,12 @@ left out), counted with a dispatch mode in one training step (batch 2 x 150, mem
 count does not depend on the batch) and per decoded token (batch 1, mem 512, greedy) of the
 wt103-base shape, vocabulary cut to 32k (cutoffs 8k/16k) to fit a CPU. On a GPU each is
 roughly one kernel launch: fewer is the CPU-visible proxy for launch overhead. Writes
-benchmarks/results/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
+runs/bench/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
 that code instead (the before/after figures of a change).
 
 Self CPU time of every aten op, summed into groups (matmul, dropout RNG, softmax, ...), as
 shares of the profiled total, plus the ten most expensive ops. Writes
-benchmarks/results/profile_<config>.json. The groups answer "what is left besides the
+runs/bench/profile_<config>.json (``--out``). The groups answer "what is left besides the
 matmuls": on a machine whose matmuls run near peak, the non-matmul share bounds the MFU.
 """
 
@@ -34,6 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare import SHAPES, build_pair, make_eval, make_train
+
+# a scratch folder by default; --out benchmarks/results/... updates the committed file
+SCRATCH = Path("runs") / "bench"
 
 GROUPS = {
     "matmul": ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::baddbmm_"),
@@ -188,7 +191,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     if args.ops:
         result = count_ops()
-        out = args.out or Path(__file__).parent / "results" / "profile_ops.json"
+        out = args.out or SCRATCH / "profile_ops.json"
         if out.exists():  # keep the counts of other revisions recorded there
             result.update({k: v for k, v in json.loads(out.read_text()).items() if "before" in k})
         text = json.dumps(result, indent=2)
@@ -207,7 +210,7 @@ def main() -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    out = Path(__file__).parent / "results" / f"profile_{args.config}.json"
+    out = args.out or SCRATCH / f"profile_{args.config}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text + "\n")
     return 0
