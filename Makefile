@@ -22,10 +22,20 @@ setup: $(STAMP)
 
 # txlm train ends with the test evaluation (the preset's evaluation lengths) and a sample;
 # the last line shows generation from the saved checkpoint, as a user would run it.
+# A second `make run` keeps the model the first one trained (txlm train refuses a used --out)
+# and only samples from it again.
+RUN_OUT := runs/shakespeare-char
+
 run: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
-	$(BIN)/txlm train --out runs/shakespeare-char
-	$(BIN)/txlm generate runs/shakespeare-char/best --prompt "ROMEO:" --max-new-tokens 300 --seed 0
+	@if [ -d $(RUN_OUT)/best ]; then \
+		echo "$(RUN_OUT) already holds a trained model: sampling from it (to train again:" \
+		     "$(BIN)/txlm train --out $(RUN_OUT) --overwrite)"; \
+	else \
+		echo "$(BIN)/txlm train --out $(RUN_OUT)"; \
+		$(BIN)/txlm train --out $(RUN_OUT); \
+	fi
+	$(BIN)/txlm generate $(RUN_OUT)/best --prompt "ROMEO:" --max-new-tokens 300 --seed 0
 
 test: $(STAMP)
 	$(BIN)/txlm prepare shakespeare

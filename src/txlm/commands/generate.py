@@ -112,20 +112,14 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return [read_prompt_file(args.prompt_file)]
 
 
-def _check_memory(args: argparse.Namespace, device: torch.device, *, rows: int) -> None:
-    """Before loading: refuse a cache (rows x memory) that cannot fit (txlm.resources)."""
+def _check_memory(args: argparse.Namespace, model: Any, device: torch.device, rows: int) -> None:
+    """Refuse a cache (rows x memory) that cannot fit (txlm.resources). After loading: the
+    loader has checked config.json against the weights, whose memory is taken already."""
     from txlm import resources
-    from txlm.checkpoint import resolve
 
-    ckpt = resolve(args.checkpoint)
-    config = resources.checkpoint_model_config(ckpt)
-    mem_len = config.mem_len if args.mem_len is None else args.mem_len
-    if mem_len < 0:
-        return  # refused with its own message once the lengths are set
     resources.check_generation(
-        config, device, weights=resources.weights_bytes(ckpt), rows=rows,
-        samples=args.num_samples, mem_len=mem_len, precision=args.precision,
-        cache=not args.no_cache,
+        model.config, device, weights=0, rows=rows, samples=args.num_samples,
+        mem_len=model.config.mem_len, precision=args.precision, cache=not args.no_cache,
     )  # fmt: skip
 
 
@@ -148,7 +142,6 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 
-    _check_memory(args, device, rows=len(texts) * args.num_samples)
     model = load(args.checkpoint, device=device)
     vocab = checkpoint_vocab(args.checkpoint)
     if len(vocab) != model.config.vocab_size:
@@ -156,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
             f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
         )
     model.set_lengths(tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len)
+    _check_memory(args, model, device, rows=len(texts) * args.num_samples)
 
     prompts = []
     for ids, n_unk in (encode_prompt(vocab, text) for text in texts):

@@ -2,6 +2,7 @@
 
 txlm train [--preset P] [--config F.yaml ...] [--set key=value ...] [--out DIR]
 txlm train --resume runs/x/last [--set optim.max_steps=N ...]
+txlm train --out runs/x --overwrite   (replace the run that runs/x holds)
 torchrun --standalone --nproc_per_node N -m txlm train ...   (N GPUs, or N CPU processes)
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 from txlm.commands.options import add_device_options, add_set_option, config_overrides
+from txlm.errors import ConfigError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,9 +45,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
     )
     add_device_options(p, in_config=True)
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="train into an --out that holds another run, replacing it (its checkpoints, "
+        "metrics and TensorBoard events are removed before the first step)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--json", action="store_true", help="print one JSON summary object at the end")
     p.set_defaults(func=run)
+
+
+# What a run writes into its --out (training/loop.py, training/metrics.py).
+RUN_OUTPUTS = ("last", "best", "metrics.jsonl", "results.json", "loss.png", "tensorboard")
+
+
+def used_by_another_run(out: Path, resume: Path | None) -> list[str]:
+    """The outputs of a run already in ``out`` (empty when there are none, or when they are
+    the run being resumed: ``--resume out/last``)."""
+    if resume is not None and Path(resume).resolve().parent == out.resolve():
+        return []
+    return [name for name in RUN_OUTPUTS if (out / name).exists()]
+
+
+def _remove_run(out: Path, names: list[str]) -> None:
+    for name in names:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,10 +100,22 @@ def run(args: argparse.Namespace) -> int:
     if out is None:
         out = str(Path(args.resume).parent) if args.resume else f"runs/{config.preset}"
     config.run.out_dir = out
+    held = used_by_another_run(Path(out), resume)
+    if held and not args.overwrite:
+        raise ConfigError(
+            f"{out} already holds a training run ({', '.join(held)}): continue it with --resume "
+            f"{Path(out) / 'last'}, replace it with --overwrite, or choose another --out"
+        )
 
     from txlm.train import Trainer
 
     trainer = Trainer(config, out, resume=resume, echo=not args.json)
+    if held and trainer.dist.is_main:
+        # Every check has passed (config, corpus, memory): only now is the old run removed,
+        # so that a refused command leaves it as it was.
+        _remove_run(Path(out), held)
+        if not args.json:
+            print(f"txlm train: --overwrite: removed the run in {out} ({', '.join(held)})")
     summary = trainer.fit()
     if args.json and trainer.dist.is_main:
         print(json.dumps(summary))
