@@ -7,7 +7,11 @@ Every figure here is a LOWER bound on what the run will allocate, computed from 
 configuration alone (nothing is built): the parameters of the attention and feed-forward
 matrices and the input embedding (biases, norms and an untied output layer left out), Adam's
 two moments and the gradients, the activations that one step must keep for its backward
-pass, the memory or KV cache at its full length. A run is refused only when this lower bound
+pass, the memory or KV cache at the full length asked for (a memory is a capacity: a text
+shorter than it does not fill it, but the KV cache is allocated whole, and a length the
+device cannot hold is a mistake to name, not an hour of quadratic attention to start). The
+commands check after loading a checkpoint, whose weights the loader sizes from their file
+and checks against config.json before allocating. A run is refused only when this lower bound
 already exceeds the memory the device can still give, so nothing that fits is refused; a
 run that passes may still run out later, and the CLI turns that into one line too
 (``cli.main``).
@@ -86,7 +90,9 @@ def _cgroup_room() -> int | None:
 def available_bytes(device: torch.device) -> int:
     """Memory the device can still give: free plus reclaimable on a GPU (what the caching
     allocator holds unused included); on the CPU the kernel's MemAvailable plus free swap,
-    within a cgroup limit if one is set."""
+    within the container's cgroup v2 limit if one is set. An address-space limit (ulimit -v)
+    is not counted: it bounds mappings, not memory, and a failure there still ends as one
+    line (``out_of_memory_message``)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         held = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -242,26 +248,6 @@ def check_training(c: ModelConfig, device: torch.device, train: Any, world_size:
         precision=train.run.precision,
     )
     check(needs, device, doing="training")
-
-
-def checkpoint_model_config(directory: Path) -> ModelConfig:
-    """The model configuration a checkpoint's config.json asks for (nothing built)."""
-    from txlm import checkpoint
-    from txlm.errors import CheckpointError, ConfigError
-
-    data = checkpoint.read_config(directory)
-    try:
-        return ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise CheckpointError(f"{Path(directory) / checkpoint.CONFIG_FILE}: {exc}") from None
-
-
-def weights_bytes(directory: Path) -> int:
-    """A checkpoint's weights as they will sit in memory: the safetensors file's size."""
-    try:
-        return (Path(directory) / "model.safetensors").stat().st_size
-    except OSError:
-        return 0  # the loader reports a missing file in its own words
 
 
 def check_evaluation(

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from txlm.config import ModelConfig
 from txlm.devices import resolve_device
-from txlm.errors import ConfigError
+from txlm.errors import CheckpointError, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +63,12 @@ def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
     from txlm import checkpoint, resources
 
     ckpt = checkpoint.resolve(args.checkpoint)
-    saved = (checkpoint.read_config(ckpt).get("train") or {}).get("eval") or {}
-    config = resources.checkpoint_model_config(ckpt)
+    data = checkpoint.read_config(ckpt)
+    saved = (data.get("train") or {}).get("eval") or {}
+    try:
+        config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
+    except ConfigError as exc:  # as checkpoint.load words it
+        raise CheckpointError(f"{ckpt / checkpoint.CONFIG_FILE}: {exc}") from None
 
     def pick(name: str, key: str, default: int) -> int:
         value = getattr(args, name, None)
@@ -73,16 +78,21 @@ def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
     if args.file.exists() and not args.file.is_file():
         # a device or a pipe may never end, and the file is read whole
         raise ConfigError(f"--file {args.file} is not a regular file: pass a text file")
-    try:
-        text_bytes = args.file.stat().st_size if args.file.is_file() else 0
-    except OSError:
-        text_bytes = 0  # score_file names the unreadable file
+    text_bytes = _size(args.file)  # score_file names a missing or unreadable file
     resources.check_evaluation(
-        config, device, weights=resources.weights_bytes(ckpt), rows=1,
+        config, device, weights=_size(ckpt / checkpoint.WEIGHTS_FILE), rows=1,
         tgt_len=pick("tgt_len", "eval_tgt_len", config.tgt_len),
         mem_len=pick("mem_len", "eval_mem_len", config.mem_len),
         precision=getattr(args, "precision", "fp32"), kv_cache=False, text_bytes=text_bytes,
     )  # fmt: skip
+
+
+def _size(path: Path) -> int:
+    """A file's size, 0 where it cannot be read (its reader then says why)."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def summary_line(result: dict) -> str:
