@@ -206,3 +206,19 @@ def test_benchmarks_write_to_a_scratch_folder_by_default(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs" / "bench" / "memory_growth.json").is_file()
     assert snapshot(results) == before
+
+
+def test_a_bpe_size_above_what_the_text_gives_learns_the_same_vocabulary(monkeypatch) -> None:
+    """The size handed to the tokenizer library is capped at what the text can give; the
+    vocabulary is the one an uncapped size learns (the library stops when no pair repeats)."""
+    from reliability_helpers import corpus_text
+    from txlm.data import bpe
+
+    texts = [corpus_text(80), "héllo wörld, ünïcode naïve café " * 20]
+    capped = bpe.train_bpe(texts, 10**6)
+    monkeypatch.setattr(bpe, "_learnable", lambda vocab_size, chars: vocab_size)
+    uncapped = bpe.train_bpe(texts, 10**6)
+    assert len(capped) == len(uncapped) < 10**6
+    assert capped.fingerprint == uncapped.fingerprint
+    with pytest.raises(bpe.DataError, match="--vocab-size"):
+        bpe.check_vocab_size(10**12)
