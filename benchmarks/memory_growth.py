@@ -11,11 +11,15 @@ the first ``--warmup`` segments.
 
 Engines, each in its own child process so that its resident memory is its own:
   - ``evaluate``: txlm.evaluate.evaluate_tokens, the library's streaming evaluation (what
-    ``txlm eval`` and validation during training run). The figure is the peak resident set
-    (VmHWM, reset through /proc/self/clear_refs) of a 10,000-segment call against that of a
-    100-segment call over the same stream: both include the same one-off copies of the stream,
-    so the difference is what grows with the number of segments;
-  - ``score``: txlm.score.score (one row, per-token log-probs kept by design: 4 bytes/token);
+    ``txlm eval`` and validation during training run), and ``score``: txlm.score.score (one
+    row; its per-token log-probs, 4 bytes a token, grow by design and are reported apart).
+    The figure is resident memory (VmRSS) sampled inside one 10,000-segment call by a
+    forward hook, after the warm-up segments and at the end: what a call allocates once
+    for its whole stream (the rows' inputs and labels, the labelled counts per column,
+    proportional to the stream's length and freed on return) is in both samples, so only
+    growth with the number of segments shows. Beside it, ``peak_vs_short_call``: the call's
+    peak (VmHWM) against a call over the first --warmup segments, which counts those
+    one-off allocations too (score's short call reads a shorter text);
   - ``model``: the bare forward loop under torch.no_grad() in eval mode, RSS (VmRSS) sampled
     after the warm-up segments and at the end;
   - ``anchor`` (``--anchor``): transformers 4.37.2 TransfoXLLMHeadModel, same shape and loop.
@@ -139,8 +143,26 @@ def _debug_model():
     return TransformerXL(ModelConfig.from_preset("debug")).eval()
 
 
+def sample_inside(model: torch.nn.Module, args: argparse.Namespace, n_segments: int):
+    """A forward hook that records (segments read, settled VmRSS) after the warm-up segments,
+    every --sample-every segments and after the last: resident memory inside one call, so
+    what the call allocates once up front is in every sample and only growth shows."""
+    samples: list[tuple[int, int]] = []
+    seen = 0
+
+    def hook(module, inputs, output) -> None:
+        nonlocal seen
+        seen += 1
+        if seen in (args.warmup, n_segments) or seen % args.sample_every == 0:
+            samples.append((seen, settle()))
+
+    return model.register_forward_hook(hook), samples
+
+
 def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    """txlm.evaluate.evaluate_tokens: peak RSS of a long call vs a short one, same stream."""
+    """txlm.evaluate.evaluate_tokens: resident memory inside the one call, after the warm-up
+    segments vs at the end (``sample_inside``). ``peak_vs_short_call`` is the call's peak
+    (VmHWM) against that of a call stopped after --warmup segments over the same stream."""
     from txlm.evaluate import evaluate_tokens
 
     model = _debug_model()
@@ -149,19 +171,29 @@ def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     kw = dict(batch_size=args.batch_size, tgt_len=args.tgt_len, mem_len=args.mem_len)
     reset_peak()
     short = evaluate_tokens(model, flat, max_steps=args.warmup, **kw)
-    base = peak_kib()
+    short_peak = peak_kib()
+    assert short["segments"] == args.warmup, short
+    hook, samples = sample_inside(model, args, args.segments)
     reset_peak()
     long = evaluate_tokens(model, flat, **kw)
-    end = peak_kib()
-    assert short["segments"] == args.warmup, short
+    long_peak = peak_kib()
+    hook.remove()
+    base, end = samples[0][1], samples[-1][1]
     return {
         "engine": "txlm.evaluate.evaluate_tokens",
-        "measure": "VmHWM of the call",
+        "measure": "VmRSS inside the call (forward hook), after warm-up vs at the end",
         "segments": long["segments"],
         "rss_kib_after_warmup": base,
         "rss_kib_end": end,
         "growth": (end - base) / base,
         "growth_kib": end - base,
+        "samples": samples,
+        "peak_vs_short_call": {
+            "short_call_peak_kib": short_peak,
+            "peak_kib": long_peak,
+            "growth": (long_peak - short_peak) / short_peak,
+            "growth_kib": long_peak - short_peak,
+        },
         "nll_per_token": long["loss"],
         "tokens_per_s": long["tokens_per_s"],
         "seconds": long["seconds"],
@@ -169,16 +201,12 @@ def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
 
 
 def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    """txlm.score.score over one row, resident memory sampled inside the one call.
+    """txlm.score.score over one row, resident memory inside the one call (``sample_inside``).
 
-    A forward hook samples VmRSS after the warm-up segments and at the end of the same
-    call, so what a call allocates once up front (the row's inputs and labels, the labelled
-    counts per column: proportional to the text, freed when the call returns) is in both
-    samples and only what grows segment by segment shows. The per-token output (4 bytes a
-    token, allocated once and filled as the segments are read) grows by design; the growth
-    beyond it is what a leak would add. ``peak_vs_short_call`` is the call's peak against
-    that of a call over the first --warmup segments alone: it includes the up-front
-    allocations, which grow with the text's length, not with time.
+    The per-token output (4 bytes a token, allocated once and filled as the segments are
+    read) grows by design; the growth beyond it is what a leak would add.
+    ``peak_vs_short_call``: the call's peak against a call over the first --warmup segments'
+    text alone, which includes the up-front allocations (they grow with the text's length).
     """
     from txlm.score import score
 
@@ -190,16 +218,7 @@ def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     short_peak = peak_kib()
 
     n_segments = (row.numel() - 1 + args.tgt_len - 1) // args.tgt_len
-    seen = 0
-    samples: list[tuple[int, int]] = []
-
-    def sample(module, inputs, output) -> None:
-        nonlocal seen
-        seen += 1
-        if seen in (args.warmup, n_segments) or seen % args.sample_every == 0:
-            samples.append((seen, settle()))
-
-    hook = model.register_forward_hook(sample)
+    hook, samples = sample_inside(model, args, n_segments)
     reset_peak()
     t0 = time.perf_counter()
     out = score(model, row, **kw)
@@ -213,7 +232,7 @@ def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     return {
         "engine": "txlm.score.score (batch 1)",
         "measure": "VmRSS inside the call (forward hook), after warm-up vs at the end",
-        "segments": seen,
+        "segments": n_segments,
         "rss_kib_after_warmup": base,
         "rss_kib_end": end,
         "growth": (end - base) / base,
@@ -222,7 +241,7 @@ def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
         "growth_beyond_output_kib": end - base - filled_kib,
         "growth_beyond_output_bytes_per_segment": (end - base - filled_kib)
         * 1024
-        / max(seen - args.warmup, 1),
+        / max(n_segments - args.warmup, 1),
         "samples": samples,
         "peak_vs_short_call": {
             "short_call_peak_kib": short_peak,
