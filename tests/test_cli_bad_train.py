@@ -164,6 +164,11 @@ CASES: list[Case] = [
         edit_json("run/last/config.json", lambda d: d["train"]["optim"].__setitem__("lr", "x")),
         uses=("corpus.txt", "data", "run"),
     ),
+    Case(
+        "train-yaml-endless",
+        ["train", "--preset", "debug", "--config", "/dev/zero"],
+        "/dev/zero",
+    ),
     # ---- sizes that cannot fit in memory (a lower bound from the config: txlm.resources)
     Case(
         "train-model-cannot-fit",

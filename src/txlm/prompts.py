@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from txlm.errors import ConfigError
+from txlm.resources import ResourceError, read_bounded
 
 
 def start_token(vocab: Any) -> int | None:
@@ -56,17 +57,16 @@ MAX_PROMPT_BYTES = 64 * 1024 * 1024
 def read_prompt_file(path: Path, limit: int = MAX_PROMPT_BYTES) -> str:
     """The text of a prompt file, at most ``limit`` bytes of UTF-8 (else ``ConfigError``)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        data = read_bounded(path, limit)
     except FileNotFoundError:
         raise ConfigError(f"prompt file {path} does not exist") from None
     except OSError as exc:
         raise ConfigError(f"cannot read prompt file {path}: {exc.strerror or exc}") from None
-    if len(data) > limit:
+    except ResourceError:
         raise ConfigError(
             f"prompt file {path} is longer than {limit // 2**20} MiB: pass a shorter prompt "
             "(only its last --max-context tokens are read)"
-        )
+        ) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

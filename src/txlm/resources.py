@@ -147,6 +147,16 @@ def out_of_memory_message(exc: BaseException) -> str | None:
     )
 
 
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """A file's bytes, at most ``limit`` of them: ``ResourceError`` past that, so a source
+    that never ends (a device, a pipe) is refused after ``limit`` bytes, not read forever."""
+    with open(path, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ResourceError(f"{path} is longer than {human(limit)}: not read")
+    return data
+
+
 # -- sizes from a configuration ----------------------------------------------------------------
 
 

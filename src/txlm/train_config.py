@@ -24,6 +24,7 @@ import yaml
 
 from txlm.config import PRESETS, ModelConfig
 from txlm.errors import ConfigError
+from txlm.resources import read_bounded
 
 DEFAULT_PRESET = "shakespeare-char"
 
@@ -209,7 +210,8 @@ def preset_config(name: str) -> TrainConfig:
 def load_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        # bounded: a configuration is small, and a device or pipe would never end
+        data = yaml.safe_load(read_bounded(path, 16 * 2**20).decode("utf-8"))
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:  # a binary file (e.g. a pickle) passed as --config
