@@ -222,3 +222,47 @@ def test_a_bpe_size_above_what_the_text_gives_learns_the_same_vocabulary(monkeyp
     assert capped.fingerprint == uncapped.fingerprint
     with pytest.raises(bpe.DataError, match="--vocab-size"):
         bpe.check_vocab_size(10**12)
+
+
+OOM_AT_STEP_3 = """\
+import sys, torch
+from txlm.training import loop
+step = loop.Trainer.train_step
+def failing(self):
+    if self.step == 2:  # the third step: after `last` and `best` were written at step 2
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return step(self)
+loop.Trainer.train_step = failing
+from txlm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_out_of_memory_in_training_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    """An allocation failure inside a step (planted at step 3) ends as one line, exit 2; the
+    checkpoint written at step 2 is whole and the run resumes from it."""
+    import json
+
+    from txlm import checkpoint
+
+    (tmp_path / "oom.py").write_text(OOM_AT_STEP_3)
+    text = tiny_text(tmp_path, n_chars=6000)
+    out = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--out", str(out), "--set", *FAST,
+            f"data.dataset=text:{text}", "optim.max_steps=4", "eval.eval_interval=2",
+            "eval.final_eval=false"]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "oom.py"), *args],
+        cwd=REPO, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "out of memory allocating 2.0 GiB" in lines[0], lines
+    state = json.loads((out / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 2
+    checkpoint.load(out / "last")  # whole
+    assert not [p for p in out.iterdir() if p.name.endswith((".tmp", ".old"))]
+    resumed = txlm(["train", "--resume", str(out / "last")], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 4
