@@ -36,7 +36,7 @@ def tiny_text(directory: Path, n_chars: int = 24000) -> Path:
 
 def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
     """The debug preset on ``tiny_text``'s corpus, with ``--set``-style overrides."""
-    from txlm.train_config import resolve
+    from txlm.training.config import resolve
 
     text = tiny_text(directory, n_chars=n_chars)
     base = [f"data.dataset=text:{text}", f"data.data_dir={directory / 'data'}"]

@@ -13,7 +13,7 @@ import torch
 from txlm.cli import build_parser
 from txlm.devices import resolve_device
 from txlm.errors import ConfigError
-from txlm.train_config import TrainConfig
+from txlm.training.config import TrainConfig
 
 
 def txlm(*args: str) -> subprocess.CompletedProcess:

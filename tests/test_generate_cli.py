@@ -298,11 +298,11 @@ def test_cli_stop_at_eos(word_ckpt, char_ckpt, capsys) -> None:
 
 @pytest.mark.parametrize("prompt", ["the cat", ""])
 def test_end_of_training_sample_reads_prompts_as_the_cli(word_ckpt, capsys, prompt) -> None:
-    """txlm.train.sample_text (the sample printed when training ends) and `txlm generate`
+    """txlm.training.sample_text (the sample printed when training ends) and `txlm generate`
     read a word-level prompt alike (no <eos> after an unfinished line; an empty prompt starts
     from <eos>): the same seed gives the same ids."""
     from txlm.prompts import encode_prompt
-    from txlm.train import sample_text
+    from txlm.training import sample_text
 
     model, vocab = txlm.load(word_ckpt), Vocab.load(word_ckpt / "vocab.json")
     text = sample_text(model, vocab, prompt, 12, seed=4)

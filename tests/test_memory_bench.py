@@ -23,7 +23,7 @@ from txlm.analysis.memory import (
     memory_reach_bins,
     variant_config,
 )
-from txlm.train_config import preset_config
+from txlm.training.config import preset_config
 
 TASK = (
     "recall:alphabet=64,span=6,min_dist=6,max_dist=60,train_max_dist=30,"

@@ -16,8 +16,8 @@ import pytest
 
 from txlm.analysis.memory import copy_profile
 from txlm.data.recall import copy_distances
-from txlm.train import Trainer
-from txlm.train_config import apply_set, parse_set, preset_config
+from txlm.training import Trainer
+from txlm.training.config import apply_set, parse_set, preset_config
 
 TASK = (
     "recall:alphabet=64,span=8,min_dist=16,max_dist=16,train_max_dist=16,"

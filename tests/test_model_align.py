@@ -147,8 +147,8 @@ def test_cached_decoding_on_padded_heads() -> None:
 # -- the trainer and checkpoints with padded heads (run.align_heads; auto pads on CUDA) ------
 def _train(tmp_path, out, *sets, resume=None):
     from _train_helpers import tiny_text
-    from txlm.train import Trainer
-    from txlm.train_config import resolve
+    from txlm.training import Trainer
+    from txlm.training.config import resolve
 
     text = tiny_text(tmp_path, n_chars=6000)
     config = resolve("debug", None, [

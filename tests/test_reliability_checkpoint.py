@@ -530,8 +530,8 @@ def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
 
 def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypatch) -> None:
     import txlm.checkpoint as ck
-    from txlm.train import Trainer
-    from txlm.train_config import resolve as resolve_config
+    from txlm.training import Trainer
+    from txlm.training.config import resolve as resolve_config
 
     (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
 

@@ -311,8 +311,8 @@ def test_second_sigint_exits_at_once_without_damage(runner: Runner, tmp_path: Pa
 
 
 def _trainer(work: Path, *sets: str):
-    from txlm.train import Trainer
-    from txlm.train_config import resolve as resolve_config
+    from txlm.training import Trainer
+    from txlm.training.config import resolve as resolve_config
 
     base = TRAIN[TRAIN.index("--set") + 1 : TRAIN.index("--out")]
     # Absolute paths (no chdir in process), and no global deterministic mode (it would leak

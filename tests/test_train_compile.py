@@ -24,7 +24,7 @@ def test_auto_compiles_on_cuda_only():
 def test_compiling_is_not_charged_to_the_time_budget(tmp_path, monkeypatch):
     """A backend that takes 1.5 s per graph, a budget of 1 s: before, the first compiling
     step spent the budget and the run "finished" after 1 step; now all 6 steps run."""
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     def slow_backend(gm, example_inputs):
         time.sleep(1.5)  # stands in for inductor's minutes
@@ -57,7 +57,7 @@ def test_a_compiled_run_builds_two_graphs(tmp_path, monkeypatch):
     a step hands on has the same shape and strides every time (a view of the concatenated
     [memory; segment] had other strides than the first step's and compiled a third graph,
     minutes of inductor on a GPU)."""
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     graphs = []
 

@@ -9,8 +9,8 @@ import pytest
 
 from txlm.cli import main
 from txlm.errors import ConfigError
-from txlm.train import learning_rate
-from txlm.train_config import TrainConfig, parse_set, preset_config, resolve
+from txlm.training import learning_rate
+from txlm.training.config import TrainConfig, parse_set, preset_config, resolve
 
 
 def test_preset_yaml_set_compose_in_order(tmp_path):

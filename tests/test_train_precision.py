@@ -40,7 +40,7 @@ class WeightCasts(TorchDispatchMode):
 
 @pytest.fixture
 def trainer(tmp_path):
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     config = tiny_config(
         tmp_path,
@@ -57,7 +57,7 @@ def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
     batches = []
     real_next = trainer._next_batch
     trainer._next_batch = lambda: batches.append(real_next()) or batches[-1]
-    loss = trainer.train_step()["loss"]
+    loss = trainer.train_step().loss.item()
 
     # The first step's loss is autocast's on the same fp32 weights, to the bit: autocast
     # rounds each weight to the same bf16 value the copy holds.
@@ -96,8 +96,8 @@ def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
 def test_bf16_run_resumes_exactly(tmp_path):
     """The copies are a function of the master: `last` needs nothing more, and a bf16 run
     stopped and resumed equals one that ran straight through."""
-    from txlm.train import Trainer
-    from txlm.train_config import resolve
+    from txlm.training import Trainer
+    from txlm.training.config import resolve
 
     text = tiny_text(tmp_path, n_chars=6000)
 

@@ -1,13 +1,17 @@
 """One training step's contracts, in process and fast: gradient clipping is applied (the
 norm Adam steps with) and the reported norm is the one before clipping; resuming restores
-the RNG (dropout on), not only the weights; the sinusoid's [sin | cos] layout."""
+the RNG (dropout on), not only the weights; a step reads nothing back to the host, and one
+that is not finite leaves the weights and Adam's state as they were; run.deterministic is
+on inside the trainer's work only; the sinusoid's [sin | cos] layout."""
 
 from __future__ import annotations
 
+import collections
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _train_helpers import tiny_text
 
@@ -19,8 +23,8 @@ def corpus(tmp_path_factory):
 
 
 def _trainer(corpus, out, *sets: str, resume=None):
-    from txlm.train import Trainer
-    from txlm.train_config import resolve
+    from txlm.training import Trainer
+    from txlm.training.config import resolve
 
     root, text = corpus
     config = resolve(
@@ -68,7 +72,7 @@ def _watch_norms(trainer) -> tuple[list[float], list[float]]:
 def test_clipping_is_applied_and_the_reported_norm_is_before_it(corpus, tmp_path, clip):
     trainer = _trainer(corpus, tmp_path, f"optim.clip={clip}")
     before, stepped = _watch_norms(trainer)
-    reported = [trainer.train_step()["grad_norm"] for _ in range(3)]
+    reported = [float(trainer.train_step().grad_norm) for _ in range(3)]
     assert len(before) == len(stepped) == 3
     assert min(before) > 0.05  # the raw gradients are well above clip=0.01
     assert reported == pytest.approx(before, rel=1e-5)
@@ -100,6 +104,126 @@ def test_resume_restores_the_dropout_rng(corpus, tmp_path):
     for _ in range(2):
         other.train_step()
     assert any(not torch.equal(v, want[k]) for k, v in other.model.state_dict().items())
+
+
+class HostReads(TorchDispatchMode):
+    """Counts what makes the host wait for the device: the ops behind ``item()``,
+    ``float(t)``, ``bool(t)`` and data-dependent shapes, and the ``tolist`` / ``numpy``
+    conversions (they read a tensor's memory directly, beside the dispatcher)."""
+
+    OPS = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal")
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+        for name in ("tolist", "numpy"):
+            real = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _real=real, _name=name, **kwargs):
+                self.calls[_name] += 1
+                return _real(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in self.OPS:
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        (),
+        ("optim.grad_accum=2", "model.dropout=0.1", "optim.clip=0"),
+        ("run.precision=bf16",),
+        ("data.doc_mode=reset", "run.deterministic=true"),
+    ],
+    ids=["fp32", "accum-dropout-noclip", "bf16", "reset-deterministic"],
+)
+def test_a_step_reads_nothing_back_from_the_device(corpus, tmp_path, monkeypatch, sets):
+    """Forward, backward, clipping, the finiteness check and Adam: all queued, no value read
+    back; the loop reads the numbers (one transfer) when the next step is queued."""
+    trainer = _trainer(corpus, tmp_path, "optim.max_steps=4", *sets)
+    first = trainer.train_step()  # the second step has memory
+    reads = HostReads(monkeypatch)
+    with reads:
+        second = trainer.train_step()
+    assert dict(reads.calls) == {}
+    monkeypatch.undo()
+    assert first.step == 1 and second.step == 2 and trainer.step == 2
+    values = trainer.account(second)  # the read, outside the step
+    assert values["finite"] == 1.0 and math.isfinite(values["loss"]) and values["tokens"] > 0
+    assert trainer.tokens_seen == int(values["tokens"])  # first not yet accounted
+
+
+def test_an_adaptive_softmax_step_reads_no_scalar(corpus, tmp_path, monkeypatch):
+    """With tail clusters the trainer still reads no scalar; what remains is the adaptive
+    softmax's own ``nonzero`` per tail cluster (the model's, not the trainer's)."""
+    trainer = _trainer(corpus, tmp_path, "model.cutoffs=[20]", "model.div_val=2")
+    trainer.train_step()
+    reads = HostReads(monkeypatch)
+    with reads:
+        trainer.train_step()
+    assert set(reads.calls) <= {"nonzero"}
+
+
+def test_a_non_finite_step_leaves_weights_and_adam_as_they_were(corpus, tmp_path):
+    """The skip is decided on the device (fused Adam's found_inf): weights, both moments and
+    the step count unchanged; the memory it hands on is zeros; the next finite step runs."""
+    trainer = _trainer(corpus, tmp_path, "optim.max_bad_steps=3")
+    trainer.account(trainer.train_step())
+
+    def snapshot():
+        opt = {
+            f"{i}.{k}": v.clone()
+            for i, st in enumerate(trainer.optimizer.state.values())
+            for k, v in st.items()
+        }
+        return {k: v.clone() for k, v in trainer.model.state_dict().items()}, opt
+
+    before = snapshot()
+    real = trainer.forward_model
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out.losses = out.losses * float("nan")
+        return out
+
+    trainer.forward_model = poisoned
+    stats = trainer.train_step()
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        values = trainer.account(stats)
+    assert values["finite"] == 0.0 and trainer.bad_steps == 1
+    after = snapshot()
+    for a, b in zip(before, after, strict=True):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), "a skipped step changed the state"
+    assert all(not m.any() for m in trainer.memory.mems)
+
+    trainer.forward_model = real
+    values = trainer.account(trainer.train_step())
+    assert values["finite"] == 1.0 and trainer.bad_steps == 0
+    assert any(not torch.equal(v, before[0][k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_deterministic_mode_is_on_inside_the_trainer_only(corpus, tmp_path):
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer = _trainer(corpus, tmp_path, "run.deterministic=true", "optim.max_steps=2")
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen = []
+    real = trainer.forward_model
+
+    def forward(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return real(*args, **kwargs)
+
+    trainer.forward_model = forward
+    trainer.train_step()
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer.fit()
+    assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_sinusoid_is_sines_then_cosines():

@@ -13,7 +13,7 @@ from _train_helpers import tiny_config
 def test_a_short_run_writes_scalars_tensorboard_reads(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     config = tiny_config(
         tmp_path,

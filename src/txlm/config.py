@@ -237,7 +237,7 @@ class Preset:
     paper_params: float | None = None  # parameter count the paper reports
     dataset: str | None = None
     note: str = ""
-    # Training defaults for ``txlm train --preset NAME`` (txlm.train_config): nested sections
+    # Training defaults for ``txlm train --preset NAME`` (txlm.training.config): nested sections
     # {"data": {...}, "optim": {...}, "eval": {...}, "run": {...}} over TrainConfig's defaults.
     train: dict[str, Any] = field(default_factory=dict)
 

@@ -21,3 +21,7 @@ class CheckpointError(TxlmError):
 
 class DataError(TxlmError):
     """A corpus, split or vocabulary that cannot be used."""
+
+
+class TrainingError(TxlmError):
+    """A run that cannot go on: it diverged, or a resume that does not fit the run."""

@@ -50,8 +50,8 @@ from txlm.config import PRESETS, ModelConfig
 from txlm.data import open_corpus
 from txlm.errors import ConfigError
 from txlm.evaluate import evaluate_tokens
-from txlm.train_config import TrainConfig
 from txlm.training import Trainer
+from txlm.training.config import TrainConfig
 from txlm.training.metrics import METRICS_FILE
 
 # Shapes for this analysis. "small": the default, about 30 minutes for the four models on

@@ -6,7 +6,7 @@ copy token back to its source (see txlm.data.recall), N tokens of the evaluation
 The paper's Table 6 group (``txlm.analysis.ablation.variants``: XL, Shaw + recurrence, XL
 without recurrence, the vanilla absolute-position model) plus the memory counterpart of every
 absolute-position variant that lacks one is trained on the same task with the same trainer
-as ``txlm train`` (``txlm.train.Trainer``), preset ``recall`` with the variant's encoding and
+as ``txlm train`` (``txlm.training.Trainer``), preset ``recall`` with the variant's encoding and
 memory. Then each model reads the valid split with the ordinary streaming evaluation
 (``txlm.evaluate.stream_segments``; segments of L, memory carried) at m = M, 2M and 4M (once,
 m = 0, without recurrence), and every copy token is scored: its loss, and whether the argmax
@@ -45,8 +45,8 @@ from txlm.data.recall import copy_distances
 from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
-from txlm.train_config import TrainConfig, apply_set, parse_set, preset_config
 from txlm.training import Trainer
+from txlm.training.config import TrainConfig, apply_set, parse_set, preset_config
 
 PRESET = "recall"
 # The associative form of the recall task (txlm.data.recall.generate_pairs): a value stored
@@ -302,7 +302,7 @@ def run_memory_bench(
     device: str = "cpu",
     log=None,
 ) -> MemoryBenchResult:
-    """Train every variant with ``txlm.train.Trainer`` into ``runs_dir/NAME``; profile each."""
+    """Train every variant with ``txlm.training.Trainer`` into ``runs_dir/NAME``; profile each."""
     start = time.perf_counter()
     if settings.clamp not in ("none", "train", "both"):
         raise ConfigError(f"clamp must be none, train or both, got {settings.clamp!r}")

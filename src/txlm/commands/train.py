@@ -80,7 +80,7 @@ def _remove_run(out: Path, names: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from txlm import checkpoint
     from txlm.errors import CheckpointError
-    from txlm.train_config import TrainConfig, resolve
+    from txlm.training.config import TrainConfig, resolve
 
     base = None
     resume = None
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             f"{Path(out) / 'last'}, replace it with --overwrite, or choose another --out"
         )
 
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     trainer = Trainer(config, out, resume=resume, echo=not args.json)
     if held and trainer.dist.is_main:

@@ -1,9 +1,11 @@
-"""Training as components: the loop (``loop.Trainer``) composes a learning-rate schedule
-(``schedule``), the run's state with its save/restore (``state``, ``checkpointing``), what the
-run reports (``metrics``), which positions the loss counts (``objective``) and signal
-handling (``signals``)."""
+"""Training as components: the loop (``loop.Trainer``) composes its configuration
+(``config``), a learning-rate schedule (``schedule``), the components with their own state
+(``state``) and the checkpoint manager they are handed to (``checkpoint_manager``), what the
+run reports (``metrics``), which positions the loss counts (``objective``), bf16 compute
+weights (``precision``), signal handling (``signals``) and ``run.deterministic``
+(``determinism``)."""
 
-from txlm.training.checkpointing import TrainingError
+from txlm.errors import TrainingError
 from txlm.training.loop import Trainer
 from txlm.training.objective import OBJECTIVES
 from txlm.training.sample import sample_text

@@ -16,10 +16,20 @@ One step:
 Memory is detached by the model and reset where the data says (a new epoch, or the
 per-token document flags in doc_mode=reset).
 
-The pieces: ``schedule`` (learning rate), ``state`` (counters, RNG, optimizer and memory
-state), ``checkpointing`` (``last`` / ``best`` and resume), ``metrics`` (JSONL, TensorBoard,
-progress), ``objective`` (which positions count), ``precision`` (bf16 compute weights),
-``signals`` (SIGINT/SIGTERM).
+A step is queued on the device without reading anything back: the token count, the loss,
+the gradient norm and whether both are finite stay tensors; a step that is not finite is
+skipped by the fused Adam kernel itself (its ``found_inf``) and its memory zeroed on the
+device. The loop reads a step's numbers (one transfer) after the next step is queued, so a
+GPU never waits for the host between steps; warnings, the divergence stop and the logs come
+from those reads, one step late. Before a checkpoint or validation the loop reads the step
+it has not read yet, so ``last`` always holds up-to-date counters.
+
+The pieces: ``config`` (``TrainConfig``), ``schedule`` (learning rate), ``state`` (the
+components with their own state: counters, memory, RNG; Adam's moments without pickle),
+``checkpoint_manager`` (``last`` / ``best`` and resume, handed those components),
+``metrics`` (JSONL, TensorBoard, progress), ``objective`` (which positions count),
+``precision`` (bf16 compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism``
+(``run.deterministic``, scoped to the run's work).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -31,12 +41,12 @@ Every collective gets tensors on the training device: NCCL accepts no others.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import random
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +58,19 @@ from txlm import checkpoint, resources
 from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
-from txlm.errors import ConfigError
+from txlm.errors import ConfigError, TrainingError
 from txlm.evaluate import autocast, evaluate_tokens
 from txlm.model import TransformerXL, align
-from txlm.train_config import TrainConfig
-from txlm.training.checkpointing import TrainingError, load_run, save_run
+from txlm.training.checkpoint_manager import CheckpointManager
+from txlm.training.config import TrainConfig
+from txlm.training.determinism import deterministic
 from txlm.training.metrics import MetricsLog, ProgressReport
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy
 from txlm.training.sample import sample_text
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
-from txlm.training.state import Counters, Memory
+from txlm.training.state import RNG, Counters, Memory
 
 RESULTS_FILE = "results.json"
 
@@ -77,6 +88,26 @@ def graphs_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+@dataclass
+class StepStats:
+    """One step's numbers as ``Trainer.train_step`` leaves them: tensors on the device, 0-d,
+    until ``read``."""
+
+    step: int  # the step's number (1-based)
+    lr: float
+    loss: Tensor  # mean token loss of the global batch
+    grad_norm: Tensor  # before clipping
+    tokens: Tensor  # labelled tokens of the global batch
+    finite: Tensor  # bool: the loss (and, but under fp16, the gradient norm) finite; stepped
+
+    def read(self) -> dict[str, float]:
+        """The numbers on the host, in one transfer."""
+        numbers = [self.loss, self.grad_norm, self.tokens, self.finite]
+        loss, grad_norm, tokens, finite = torch.stack([x.double() for x in numbers]).tolist()
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "finite": finite,
+                "lr": self.lr}  # fmt: skip
 
 
 class Trainer:
@@ -98,7 +129,8 @@ class Trainer:
         r = config.run
         self.signals = StopSignals()
 
-        # Process group, device, threads, determinism.
+        # Process group, device, threads. Deterministic kernels (run.deterministic) are on
+        # only while the trainer works (training.determinism), not for the whole process.
         probe = resolve_device(r.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist.init(probe.type)
         self.device = resolve_device(r.device, local_rank=self.dist.local_rank)
@@ -106,11 +138,6 @@ class Trainer:
         check_precision(r.precision, self.device)  # fp16's GradScaler: GPUs only
         if r.threads is not None:
             torch.set_num_threads(r.threads)
-        if r.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            if self.device.type == "cuda":
-                torch.backends.cudnn.benchmark = False
         world = self.dist.world_size
         if config.data.batch_size % (world * config.optim.grad_accum):
             raise ConfigError(
@@ -133,14 +160,39 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
-        self.memory = Memory()
+        self.memory = Memory(
+            config.data.batch_size // world, self.model_config.n_layer, self.model_config.d_model
+        )
         self.time_up = False
         self.compile_seconds = 0.0
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
 
+        self.checkpoints = CheckpointManager(
+            self.out,
+            model=self.model,
+            model_config=self.model_config,
+            optimizer=self.optimizer,
+            counters=self.counters,
+            memory=self.memory,
+            shared={"data": self.stream, "grad_scaler": self.scaler},
+            per_rank={"rng": RNG()},
+            vocab=self.vocab,
+            run_info={
+                "train": config.to_dict(),
+                "vocab_fingerprint": self.vocab.fingerprint,
+                "dataset": {
+                    "name": config.data.dataset,
+                    "prepared": self.corpus.meta.get("name"),
+                    "level": self.corpus.level,
+                    "metric": self.metric,
+                },
+            },
+            dist_info=self.dist,
+            device=self.device,
+        )
         if resume is not None:
-            load_run(self, Path(resume))
+            self.checkpoints.load(Path(resume))
 
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
@@ -241,19 +293,26 @@ class Trainer:
             self.config.optim.max_steps * self.counters.train_seconds / budget,
         )
 
-    def train_step(self) -> dict[str, float]:
+    def train_step(self) -> StepStats:
+        """One optimisation step, queued on the device: no value is read back to the host
+        (``account`` reads the returned numbers later)."""
+        with deterministic(self.config.run.deterministic):
+            return self._train_step()
+
+    def _train_step(self) -> StepStats:
         c = self.config
         batch = self._next_batch()
         if batch.index == 0:
-            self.memory = Memory()  # an epoch starts every row afresh
+            self.memory.clear()  # an epoch starts every row afresh
         lr = learning_rate(self.schedule_step(), c.optim)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
         labels = self.objective(batch.labels)
         local_tokens = (labels != -100).sum().to(self.device, torch.float64)
-        n_global = dist.all_reduce_sum(local_tokens.reshape(1)).item()
-        scale = self.dist.world_size / max(n_global, 1.0)
+        n_global = dist.all_reduce_sum(local_tokens.reshape(1))[0]
+        counted = n_global.clamp(min=1.0)
+        scale = (self.dist.world_size / counted).float()
         per = labels.size(0) // c.optim.grad_accum
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         parts: list[tuple[list[Tensor], Tensor | None]] = []
@@ -280,66 +339,81 @@ class Trainer:
                 self.scaler.scale(loss * scale).backward()
             loss_sum += loss.detach().to(self.device, torch.float64)
             parts.append((out.mems, out.mem_mask))
-        self.memory = Memory.join(parts)
         if self.compute is not None:
             self.compute.gradients_to_master()
 
-        loss_global = dist.all_reduce_sum(loss_sum.reshape(1)).item() / max(n_global, 1.0)
+        loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / counted
         self.scaler.unscale_(self.optimizer)
         grad_norm = self._clip_gradients()
-        self._apply_update(loss_global, grad_norm)
+        finite = torch.isfinite(loss_global)
+        if not self.scaler.is_enabled():  # fp16: the grad scaler skips its own inf steps
+            finite = finite & torch.isfinite(grad_norm)
+        self._apply_update(finite)
+        self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
-        self.counters.tokens_seen += int(n_global)
-        return {"loss": loss_global, "lr": lr, "grad_norm": grad_norm, "tokens": n_global}
+        return StepStats(self.counters.step, lr, loss_global, grad_norm, n_global, finite)
 
-    def _clip_gradients(self) -> float:
+    def _clip_gradients(self) -> Tensor:
         """Scale the gradients to norm ``optim.clip`` at most; returns the norm before."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.config.optim.clip
         if clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, clip))
-        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
+            return torch.nn.utils.clip_grad_norm_(params, clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
 
-    def _apply_update(self, loss: float, grad_norm: float) -> None:
-        """Adam's step, or none when the loss or gradient is not finite (too many: stop)."""
-        c = self.config
-        fp16 = c.run.precision == "fp16"  # the grad scaler skips its own inf steps
-        if math.isfinite(loss) and (fp16 or math.isfinite(grad_norm)):
-            self.counters.bad_steps = 0
-            self.scaler.step(self.optimizer)
+    def _apply_update(self, finite: Tensor) -> None:
+        """Adam's step where ``finite`` (a device bool) holds; otherwise the weights and
+        Adam's state stay as they were. Decided by the kernel, not by the host."""
+        if self.scaler.is_enabled():
+            self.scaler.step(self.optimizer)  # it hands fused Adam its own found_inf
             self.scaler.update()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.compute is not None:
-                self.compute.refresh()
-            return
+        else:
+            # fused Adam skips the whole update (moments and step count too) where found_inf
+            # is 1: the mechanism the grad scaler uses, fed with this step's finiteness
+            self.optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()
-        self.memory = Memory()  # non-finite states must not feed the next segment
+        if self.compute is not None:
+            self.compute.refresh()
+
+    def account(self, stats: StepStats) -> dict[str, float]:
+        """Read a step's numbers (the one host transfer of the step) and count them: tokens
+        seen, consecutive non-finite steps (a warning each; too many: ``TrainingError``)."""
+        values = stats.read()
+        c = self.config
+        self.counters.tokens_seen += int(values["tokens"])
+        if values["finite"]:
+            self.counters.bad_steps = 0
+            return values
         self.counters.bad_steps += 1
-        step = self.counters.step + 1
         warnings.warn(
-            f"step {step}: non-finite loss or gradient ({loss}, grad norm {grad_norm}); step "
-            f"skipped ({self.counters.bad_steps}/{c.optim.max_bad_steps} in a row)",
+            f"step {stats.step}: non-finite loss or gradient ({values['loss']}, grad norm "
+            f"{values['grad_norm']}); step skipped ({self.counters.bad_steps}/"
+            f"{c.optim.max_bad_steps} in a row)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
         if self.counters.bad_steps >= c.optim.max_bad_steps:
             raise TrainingError(
                 f"training diverged: {self.counters.bad_steps} consecutive steps with a "
-                f"non-finite loss or gradient (last at step {step}); lower optim.lr, raise "
-                "optim.warmup_steps or use run.precision=fp32"
+                f"non-finite loss or gradient (last at step {stats.step}); lower optim.lr, "
+                "raise optim.warmup_steps or use run.precision=fp32"
             )
+        return values
 
-    def _should_stop(self) -> tuple[int, bool]:
-        """(signal received on any rank, time budget spent on rank 0): one collective, so
-        every rank stops at the same step."""
+    def _stop_votes(self) -> tuple[int, bool]:
+        """(signal received, time budget spent on rank 0), as this process sees them."""
         budget = self.config.run.time_budget_s
         late = self.dist.is_main and budget is not None and self.train_seconds >= budget
-        flags = torch.tensor(
-            [float(self.signals.received), float(late)], dtype=torch.float64, device=self.device
-        )
-        received, late_any = dist.all_reduce_max(flags).tolist()
-        return int(received), bool(late_any)
+        return self.signals.received, late
+
+    def _stop_flags(self) -> Tensor:
+        """Every rank's stop votes, maxed by one collective on the device (queued, not
+        read): read one step later, every rank then stops at the same step."""
+        flags = torch.tensor(self._stop_votes(), dtype=torch.float64)
+        if self.device.type == "cuda":  # a pageable copy would wait for the queued step
+            flags = flags.pin_memory()
+        return dist.all_reduce_max(flags.to(self.device, non_blocking=True))
 
     # -- validation -----------------------------------------------------------------------
     def validate(self, *, split: str = "valid", full: bool = False) -> dict[str, Any] | None:
@@ -372,10 +446,16 @@ class Trainer:
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, kind: str) -> None:
         """Write ``out/last`` (everything needed to resume) or ``out/best``. Collective."""
-        save_run(self, kind)
+        self.checkpoints.save(kind)
 
     # -- the loop ---------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train to ``optim.max_steps`` (or ``run.stop_at``, the time budget, a signal),
+        validating and checkpointing on the way; returns the run's summary."""
+        with deterministic(self.config.run.deterministic):
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         c = self.config
         r, o, e = c.run, c.optim, c.eval
         if self.dist.is_main:
@@ -406,52 +486,51 @@ class Trainer:
             interval=r.progress_interval,
         )
         self.signals.install()
-        interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
-        stopped_by = 0
-        session_steps, session_seconds = 0, 0.0
+        self._interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
+        stopped_by, late = 0, False
+        pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
+        flags: Tensor | None = None
+        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
+        session = [0, 0.0]  # steps and seconds of training in this process
+
+        def settle() -> None:
+            """Read and log the step whose numbers the host has not read yet."""
+            nonlocal pending
+            if pending is not None:
+                stats, seconds = pending
+                pending = None
+                values = self.account(stats)
+                eta_s = self._eta(stop_at, *session)
+                self._log_step(stats.step, values, seconds, log, report, stop_at, eta_s)
+
         try:
             while self.step < stop_at:
                 graphs = graphs_compiled() if self.compiled else 0
                 t0 = time.perf_counter()
                 stats = self.train_step()
+                if self.dist.enabled:
+                    flags, stop_flags = stop_flags, self._stop_flags()
+                # The previous step's numbers, read now that this step is queued behind it;
+                # on a GPU the wait for them is this step's time in the steady state.
+                settle()
                 dt = time.perf_counter() - t0
                 if self.compiled and graphs_compiled() > graphs:
                     # A step that built a graph: compiling, not training, so it counts
                     # against neither the time budget nor tokens/s.
                     self.compile_seconds += dt
+                    dt = 0.0
                 else:
                     self.counters.train_seconds += dt
-                    interval["time"] += dt
-                    session_steps += 1
-                    session_seconds += dt
-                interval["loss"] += stats["loss"] * stats["tokens"]
-                interval["tokens"] += stats["tokens"]
-                if self.step % r.log_interval == 0 or self.step == stop_at:
-                    loss = interval["loss"] / max(interval["tokens"], 1.0)
-                    log.write(
-                        {
-                            "split": "train",
-                            "step": self.step,
-                            "loss": loss,
-                            self.metric: self.corpus.metric_value(loss, "train"),
-                            "lr": stats["lr"],
-                            "grad_norm": stats["grad_norm"],
-                            "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
-                            "tokens_seen": self.tokens_seen,
-                            "train_seconds": self.train_seconds,
-                        }
-                    )
-                    interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
-                report.update(
-                    self.step,
-                    loss=stats["loss"],
-                    tokens=stats["tokens"],
-                    lr=stats["lr"],
-                    seconds=dt,
-                    eta_s=self._eta(stop_at, session_steps, session_seconds),
-                )
-                stopped_by, late = self._should_stop()
+                    session[0] += 1
+                    session[1] += dt
+                pending = (stats, dt)
+                if not self.dist.enabled:
+                    stopped_by, late = self._stop_votes()
+                elif flags is not None:
+                    received, late_any = flags.tolist()
+                    stopped_by, late = int(received), bool(late_any)
                 if late:
+                    settle()
                     if self.echo:
                         report.message(
                             f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
@@ -459,12 +538,18 @@ class Trainer:
                     self.time_up = True
                     break
                 validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
+                save_now = r.save_interval and self.step % r.save_interval == 0
+                if stopped_by or validate_now or save_now:
+                    settle()  # checkpoints hold the counters up to this step
                 if validate_now and self.step < o.max_steps and not stopped_by:
                     self._validate_and_save(log, report)
-                elif r.save_interval and self.step % r.save_interval == 0:
+                elif save_now:
                     self.save("last")
                 if stopped_by:
                     break
+            settle()
+            if stop_flags is not None and not stopped_by:  # votes of the last step
+                stopped_by = int(stop_flags.tolist()[0])
         except KeyboardInterrupt:
             report.close()
             self.signals.restore()
@@ -509,6 +594,46 @@ class Trainer:
         log.close()
         dist.shutdown()
         return summary
+
+    def _log_step(
+        self,
+        step: int,
+        values: dict[str, float],
+        seconds: float,
+        log: MetricsLog,
+        report: ProgressReport,
+        stop_at: int,
+        eta_s: float,
+    ) -> None:
+        """A read step into the metrics (every ``run.log_interval`` steps) and the progress."""
+        interval = self._interval
+        interval["loss"] += values["loss"] * values["tokens"]
+        interval["tokens"] += values["tokens"]
+        interval["time"] += seconds
+        if step % self.config.run.log_interval == 0 or step == stop_at:
+            loss = interval["loss"] / max(interval["tokens"], 1.0)
+            log.write(
+                {
+                    "split": "train",
+                    "step": step,
+                    "loss": loss,
+                    self.metric: self.corpus.metric_value(loss, "train"),
+                    "lr": values["lr"],
+                    "grad_norm": values["grad_norm"],
+                    "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
+                    "tokens_seen": self.tokens_seen,
+                    "train_seconds": self.train_seconds,
+                }
+            )
+            self._interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
+        report.update(
+            step,
+            loss=values["loss"],
+            tokens=values["tokens"],
+            lr=values["lr"],
+            seconds=seconds,
+            eta_s=eta_s,
+        )
 
     def _eta(self, stop_at: int, steps: int, seconds: float) -> float:
         """Seconds of training left: the steps to go at this session's pace, or what is

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from txlm.train_config import OptimConfig
+from txlm.training.config import OptimConfig
 
 
 def learning_rate(step: float, optim: OptimConfig) -> float:

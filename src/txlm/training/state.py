@@ -1,11 +1,13 @@
-"""The run's state besides the weights, and how it is written without pickle.
+"""The run's state besides the weights, one component per kind, and how each is written
+without pickle.
 
 Legend: b rows of this rank, M memory length, D model dim.
 
-Everything a step depends on: the counters (``Progress``), Adam's moments, every RNG, the
-memory of the training rows and the data position. ``txlm.training.checkpointing`` writes
-them next to the weights in ``last``; reading them back makes a resumed run take exactly the
-steps it would have taken.
+Everything a step depends on: the counters, Adam's moments, every RNG, the memory of the
+training rows and the data position (the stream iterator) and the fp16 grad scaler. Each
+component has ``state_dict()`` / ``load_state_dict()``; ``txlm.training.checkpoint_manager``
+is handed the components and writes them next to the weights in ``last``. Reading them back
+makes a resumed run take exactly the steps it would have taken.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,6 +26,14 @@ from torch import Tensor, nn
 
 from txlm.errors import CheckpointError
 from txlm.model import align
+
+
+class Stateful(Protocol):
+    """What the checkpoint manager asks of a component (torch's convention)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -36,7 +46,7 @@ class Counters:
     train_seconds: float = 0.0  # time in training steps (validation and compiling excluded)
     tokens_seen: int = 0  # labelled tokens of the global batches so far
 
-    def to_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {
             "step": self.step,
             "best_valid_loss": self.best_valid,
@@ -45,24 +55,26 @@ class Counters:
             "tokens_seen": self.tokens_seen,
         }
 
-    @classmethod
-    def from_dict(cls, state: dict[str, Any]) -> Counters:
-        return cls(
-            step=int(state["step"]),
-            best_valid=state.get("best_valid_loss"),
-            bad_steps=int(state.get("bad_steps", 0)),
-            train_seconds=float(state.get("train_seconds", 0.0)),
-            tokens_seen=int(state.get("tokens_seen", 0)),
-        )
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.best_valid = state.get("best_valid_loss")
+        self.bad_steps = int(state.get("bad_steps", 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
+        self.tokens_seen = int(state.get("tokens_seen", 0))
 
 
 # -- memory of the training rows -----------------------------------------------------------
-@dataclass
 class Memory:
-    """The per-row memory of this rank's training streams (None: empty)."""
+    """The per-row memory of this rank's ``rows`` training rows; empty (``mems`` None) until
+    the first step and after an epoch starts."""
 
-    mems: list[Tensor] | None = None  # n_layer x [b, M, D]
-    mask: Tensor | None = None  # [b, M] bool or None (all valid)
+    def __init__(self, rows: int, n_layer: int, d_model: int) -> None:
+        self.rows, self.n_layer, self.d_model = rows, n_layer, d_model
+        self.mems: list[Tensor] | None = None  # n_layer x [b, M, D]
+        self.mask: Tensor | None = None  # [b, M] bool or None (all valid)
+
+    def clear(self) -> None:
+        self.mems, self.mask = None, None
 
     def chunk(self, rows: slice) -> tuple[list[Tensor] | None, Tensor | None]:
         if self.mems is None:
@@ -70,21 +82,56 @@ class Memory:
         mask = None if self.mask is None else self.mask[rows]
         return [m[rows] for m in self.mems], mask
 
-    @staticmethod
-    def join(parts: list[tuple[list[Tensor], Tensor | None]]) -> Memory:
-        """The memory of gradient-accumulation chunks (mems, mask), concatenated into rows."""
+    def update(
+        self, parts: list[tuple[list[Tensor], Tensor | None]], keep: Tensor | None = None
+    ) -> None:
+        """The memory of the step's gradient-accumulation chunks (mems, mask), concatenated
+        into rows. ``keep``: a 0-d bool on the device, false when the step was not finite;
+        its states are then replaced by zeros (and masked where a mask is carried), so that
+        no NaN feeds the next segment, without the host having to look."""
         if len(parts) == 1:
-            return Memory(*parts[0])
-        mems = [torch.cat(layer, dim=0) for layer in zip(*[m for m, _ in parts], strict=True)]
-        if all(mask is None for _, mask in parts):
-            return Memory(mems, None)
-        filled = [  # a chunk without a mask has all positions valid
-            torch.ones(m[0].shape[:2], dtype=torch.bool, device=m[0].device)
-            if mask is None
-            else mask
-            for m, mask in parts
-        ]
-        return Memory(mems, torch.cat(filled, dim=0))
+            mems, mask = parts[0]
+        else:
+            mems = [torch.cat(layer, dim=0) for layer in zip(*[m for m, _ in parts], strict=True)]
+            mask = None
+            if any(part_mask is not None for _, part_mask in parts):
+                mask = torch.cat(  # a chunk without a mask has all positions valid
+                    [
+                        torch.ones(m[0].shape[:2], dtype=torch.bool, device=m[0].device)
+                        if part_mask is None
+                        else part_mask
+                        for m, part_mask in parts
+                    ],
+                    dim=0,
+                )
+        if keep is not None:
+            mems = [torch.where(keep, m, 0.0) for m in mems]
+            mask = None if mask is None else mask & keep
+        self.mems, self.mask = list(mems), mask
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """This rank's rows: ``mems.N`` [b, M, D] per layer and ``mem_mask`` [b, M] when
+        carried; empty when there is no memory."""
+        if self.mems is None:
+            return {}
+        state = {f"mems.{n}": m for n, m in enumerate(self.mems)}
+        if self.mask is not None:
+            state["mem_mask"] = self.mask
+        return state
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if not state:
+            self.clear()
+            return
+        mems = [state[f"mems.{n}"] for n in range(self.n_layer)]
+        want = (self.rows, "M", self.d_model)
+        for n, m in enumerate(mems):
+            if m.dim() != 3 or m.size(0) != self.rows or m.size(2) != self.d_model:
+                raise ValueError(f"mems.{n} has shape {tuple(m.shape)}, expected {want}")
+        mask = state.get("mem_mask")
+        if mask is not None and tuple(mask.shape) != tuple(mems[0].shape[:2]):
+            raise ValueError(f"mem_mask has shape {tuple(mask.shape)}, expected [b, M]")
+        self.mems, self.mask = mems, mask
 
 
 # -- RNG ------------------------------------------------------------------------------------
@@ -96,28 +143,30 @@ def _unb64(s: str) -> Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG a step may draw from (torch CPU and CUDA, numpy, Python), as JSON."""
-    np_state = np.random.get_state()
-    py_state = random.getstate()
-    state: dict[str, Any] = {
-        "torch": _b64(torch.get_rng_state()),
-        "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    return state
+class RNG:
+    """Every RNG a step may draw from (torch CPU and CUDA, numpy, Python), as JSON. The
+    generators are the process's own: this component only reads and sets them."""
 
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        py_state = random.getstate()
+        state: dict[str, Any] = {
+            "torch": _b64(torch.get_rng_state()),
+            "numpy": [np_state[0], np_state[1].tolist(), *[float(x) for x in np_state[2:]]],
+            "python": [py_state[0], list(py_state[1]), py_state[2]],
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+        return state
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(_unb64(state["torch"]))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), int(n[2]), int(n[3]), n[4]))
-    p = state["python"]
-    random.setstate((p[0], tuple(p[1]), p[2]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        torch.set_rng_state(_unb64(state["torch"]))
+        n = state["numpy"]
+        np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), int(n[2]), int(n[3]), n[4]))
+        p = state["python"]
+        random.setstate((p[0], tuple(p[1]), p[2]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
 # -- optimizer ------------------------------------------------------------------------------
