@@ -9,11 +9,14 @@ the same weights; each round times the old and the new code back to back on the 
 workload, so load on a shared machine hits both alike, and reports old time / new time
 (> 1: the new code is faster). Workloads at compare.py's "cpu" shape (4 layers, d_model 256,
 batch 8 x 128, vocabulary 204, fp32): a training step (Adam), evaluation with 128 and 512
-memory, plain and with the K/V cache, and greedy decoding (batch 1, mem 512, 32 tokens after
-a 512-token context, steps only): ``generate`` as ``txlm generate`` runs it (the new code with
-its CPU one-token step over the cache), ``generate_modules`` the new code's steps through the
-modules only (``CachedDecoder(one_token=False)``): the measurement that keeps the one-token
-step (txlm.model.one_token). Writes runs/bench/compare_revisions.json (--out).
+memory, plain and with the K/V cache, ``trainer``: ``Trainer.train_step`` as ``txlm train``
+takes it (batching, the objective, clipping, fused Adam, the memory hand-over and reading the
+step's numbers) on a generated character corpus at the same shape, and greedy decoding
+(batch 1, mem 512, 32 tokens after a 512-token context, steps only): ``generate`` as
+``txlm generate`` runs it (the new code with its CPU one-token step over the cache),
+``generate_modules`` the new code's steps through the modules only
+(``CachedDecoder(one_token=False)``): the measurement that keeps the one-token step
+(txlm.model.one_token). Writes runs/bench/compare_revisions.json (--out).
 """
 
 from __future__ import annotations
@@ -53,7 +56,34 @@ def import_old(src: Path, into: Path):
 MODULES = ("config", "model", "generate", "model.kv_eval")
 
 
-def workloads(mods: dict, model, ids: torch.Tensor) -> dict:
+def _trainer(package: str, work: Path):
+    """A Trainer of ``package`` (txlm or txlm_old) at SHAPE on a generated character corpus:
+    the same text, settings and seed on both sides."""
+    training = importlib.import_module(f"{package}.training")
+    try:
+        config_module = importlib.import_module(f"{package}.training.config")
+    except ImportError:  # older layout
+        config_module = importlib.import_module(f"{package}.train_config")
+    text = work / "corpus.txt"
+    if not text.exists():
+        g = torch.Generator().manual_seed(2)
+        symbols = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;:!?\n"
+        ids = torch.randint(0, len(symbols), (200_000,), generator=g).tolist()
+        text.write_text("".join(symbols[i] for i in ids))
+    s = SHAPE
+    sets = [f"data.dataset=text:{text}", f"data.data_dir={work / (package + '-data')}",
+            "data.batch_size=8",
+            f"model.n_layer={s['n_layer']}", f"model.d_model={s['d_model']}",
+            f"model.n_head={s['n_head']}", f"model.d_head={s['d_head']}",
+            f"model.d_inner={s['d_inner']}", f"model.tgt_len={s['tgt_len']}",
+            f"model.mem_len={s['mem_len']}", f"model.dropout={s['dropout']}",
+            "model.dropatt=0.0", "optim.max_steps=100000", "run.compile=false",
+            "run.tensorboard=false", "run.progress=false"]  # fmt: skip
+    config = config_module.resolve("debug", None, sets)
+    return training.Trainer(config, work / f"{package}-run", echo=False)
+
+
+def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
     def train():
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         st = {"mems": None, "i": 0}
@@ -117,8 +147,15 @@ def workloads(mods: dict, model, ids: torch.Tensor) -> dict:
 
         return f
 
+    def trainer():
+        t = _trainer(mods["config"].__name__.split(".")[0], work)
+        # the new step leaves its numbers on the device; the loop reads them (account)
+        account = getattr(t, "account", None)
+        return lambda: account(t.train_step()) if account else t.train_step()
+
     return {
         "train": (train, 2),
+        "trainer": (trainer, 2),
         "eval_m128": (evaluate(128, False), 3),
         "eval_m128_kv": (evaluate(128, True), 3),
         "eval_m512": (evaluate(512, False), 3),
@@ -152,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         old = old_mods["model"].TransformerXL(old_mods["config"].ModelConfig(**SHAPE))
         old.load_state_dict(new.state_dict())
         ids = torch.randint(0, 204, (8, 129 * 6), generator=torch.Generator().manual_seed(1))
-        runs = {"old": workloads(old_mods, old, ids), "new": workloads(new_mods, new, ids)}
+        work = Path(tmp)
+        runs = {
+            "old": workloads(old_mods, old, ids, work),
+            "new": workloads(new_mods, new, ids, work),
+        }
         names = args.only.split(",") if args.only else list(runs["new"])
         result: dict = {"threads": args.threads, "rounds": args.rounds, "workloads": {}}
         for name in names:

@@ -78,7 +78,7 @@ class EvalConfig:
 @dataclass
 class RunConfig:
     seed: int = 0
-    deterministic: bool = False  # torch.use_deterministic_algorithms + fixed threads
+    deterministic: bool = False  # deterministic kernels while the trainer works (determinism.py)
     threads: int | None = None  # torch intra-op threads; None: torch's default
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     # torch.compile the training forward; auto: on for CUDA, off on CPU (slower there).

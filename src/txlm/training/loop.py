@@ -57,6 +57,7 @@ from torch import Tensor
 from txlm import checkpoint, resources
 from txlm import distributed as dist
 from txlm.config import ModelConfig
+from txlm.data import SentenceStreamIterator, StreamIterator, open_corpus
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.evaluate import autocast, evaluate_tokens
@@ -206,8 +207,6 @@ class Trainer:
     # -- construction -----------------------------------------------------------------------
     def _load_data(self) -> None:
         """Rank 0 prepares the corpus (download, tokenise); the others then read the folder."""
-        from txlm.data import SentenceStreamIterator, StreamIterator, open_corpus
-
         c = self.config
         if self.dist.is_main:
             self.corpus = open_corpus(

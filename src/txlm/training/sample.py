@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from txlm.errors import TxlmError
+from txlm.generate import generate
 from txlm.model import TransformerXL
 from txlm.prompts import encode_prompt, start_token
 
@@ -21,8 +22,6 @@ def sample_text(
     """``prompt`` and ``n_tokens`` sampled after it, from ``txlm.generate`` with the model's
     own lengths and the prompt read as `txlm generate` reads it: the same seed gives the
     same text there."""
-    from txlm.generate import generate
-
     try:
         ids = encode_prompt(vocab, prompt)[0] if prompt else []
     except TxlmError:  # a prompt the vocabulary cannot spell: sample unconditioned
