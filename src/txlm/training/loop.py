@@ -549,12 +549,9 @@ class Trainer:
             settle()
             if stop_flags is not None and not stopped_by:  # votes of the last step
                 stopped_by = int(stop_flags.tolist()[0])
-        except KeyboardInterrupt:
+        finally:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
             report.close()
             self.signals.restore()
-            raise
-        report.close()
-        self.signals.restore()
 
         if stopped_by:
             self.save("last")
