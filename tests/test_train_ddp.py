@@ -1,9 +1,11 @@
 """DDP on CPU (gloo): 2 processes x 2 rows follow the same loss curve as 1 process x 4 rows,
 and so does 1 process accumulating gradients over 2 chunks of 2 rows; a 2-process run stopped
-and resumed equals one that ran straight through, bit for bit."""
+and resumed equals one that ran straight through, bit for bit; a stop that only rank 0 sees
+(its time budget) stops both ranks at the same step."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -83,3 +85,18 @@ def test_two_process_run_resumes_bit_for_bit(tmp_path):
     assert "resumed at step 3" in r.stdout
 
     assert_same_run(straight, paused, steps=6)
+
+
+def test_both_ranks_stop_at_the_same_step_when_rank_0_runs_out_of_time(tmp_path):
+    """Only rank 0 measures the time budget. The ranks' stop votes are maxed on the device
+    and read one step later (no host sync inside a step): rank 0 spends the budget in step
+    1, both ranks read that after queueing step 2 and stop there, together (a rank that
+    went on alone would hang in its next collective)."""
+    text = tiny_text(tmp_path)
+    out = tmp_path / "budget"
+    r = _torchrun([*_args(text, out), "run.time_budget_s=1e-6"], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "time budget of 0s spent at step 2" in r.stdout
+    assert json.loads((out / "results.json").read_text())["step"] == 2
+    assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 2
+    assert [m["step"] for m in metrics(out)] == [1, 2]

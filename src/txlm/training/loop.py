@@ -488,7 +488,6 @@ class Trainer:
         self._interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
         stopped_by, late = 0, False
         pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
-        flags: Tensor | None = None
         stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
         session = [0, 0.0]  # steps and seconds of training in this process
 
@@ -507,8 +506,6 @@ class Trainer:
                 graphs = graphs_compiled() if self.compiled else 0
                 t0 = time.perf_counter()
                 stats = self.train_step()
-                if self.dist.enabled:
-                    flags, stop_flags = stop_flags, self._stop_flags()
                 # The previous step's numbers, read now that this step is queued behind it;
                 # on a GPU the wait for them is this step's time in the steady state.
                 settle()
@@ -525,9 +522,11 @@ class Trainer:
                 pending = (stats, dt)
                 if not self.dist.enabled:
                     stopped_by, late = self._stop_votes()
-                elif flags is not None:
-                    received, late_any = flags.tolist()
-                    stopped_by, late = int(received), bool(late_any)
+                else:  # this step's votes queued, the previous step's read
+                    previous, stop_flags = stop_flags, self._stop_flags()
+                    if previous is not None:
+                        received, late_any = previous.tolist()
+                        stopped_by, late = int(received), bool(late_any)
                 if late:
                     settle()
                     if self.echo:
