@@ -1,8 +1,9 @@
 """One training step's contracts, in process and fast: gradient clipping is applied (the
 norm Adam steps with) and the reported norm is the one before clipping; resuming restores
 the RNG (dropout on), not only the weights; a step reads nothing back to the host, and one
-that is not finite leaves the weights and Adam's state as they were; run.deterministic is
-on inside the trainer's work only; the sinusoid's [sin | cos] layout."""
+that is not finite leaves the weights and Adam's state as they were; the memory's state in
+real shapes; run.deterministic is on inside the trainer's work only; the sinusoid's
+[sin | cos] layout."""
 
 from __future__ import annotations
 
@@ -206,6 +207,25 @@ def test_a_non_finite_step_leaves_weights_and_adam_as_they_were(corpus, tmp_path
     values = trainer.account(trainer.train_step())
     assert values["finite"] == 1.0 and trainer.bad_steps == 0
     assert any(not torch.equal(v, before[0][k]) for k, v in trainer.model.state_dict().items())
+
+
+def test_memory_state_holds_the_real_width_and_rows():
+    """Memory's state: each layer's rows at the real d_model (a padded model stores zeros
+    past it), the mask only when carried; loading pads back and checks the shapes."""
+    from txlm.training.state import Memory
+
+    memory = Memory(rows=2, n_layer=2, d_model=3, width=8)
+    assert memory.state_dict() == {}
+    mems = [torch.cat([torch.randn(2, 4, 3), torch.zeros(2, 4, 5)], dim=-1) for _ in range(2)]
+    memory.update([(mems, None)])
+    state = memory.state_dict()
+    assert sorted(state) == ["mems.0", "mems.1"] and state["mems.0"].shape == (2, 4, 3)
+    other = Memory(rows=2, n_layer=2, d_model=3, width=8)
+    other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.mems, mems, strict=True))
+    assert other.mask is None
+    with pytest.raises(ValueError, match="expected"):
+        Memory(rows=3, n_layer=2, d_model=3).load_state_dict(state)
 
 
 def test_deterministic_mode_is_on_inside_the_trainer_only(corpus, tmp_path):

@@ -162,7 +162,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
         self.memory = Memory(
-            config.data.batch_size // world, self.model_config.n_layer, self.model_config.d_model
+            config.data.batch_size // world,
+            self.model_config.n_layer,
+            self.model_config.d_model,
+            width=self.model.layers[0].attn.qkv.in_features,  # D as stored (align)
         )
         self.time_up = False
         self.compile_seconds = 0.0

@@ -66,10 +66,13 @@ class Counters:
 # -- memory of the training rows -----------------------------------------------------------
 class Memory:
     """The per-row memory of this rank's ``rows`` training rows; empty (``mems`` None) until
-    the first step and after an epoch starts."""
+    the first step and after an epoch starts. ``width``: D as the model stores it (a model
+    with padded widths, ``txlm.model.align``, carries zeros past ``d_model``); the state
+    holds the real ``d_model``, as checkpoints hold the real shapes of weights and Adam."""
 
-    def __init__(self, rows: int, n_layer: int, d_model: int) -> None:
+    def __init__(self, rows: int, n_layer: int, d_model: int, width: int | None = None) -> None:
         self.rows, self.n_layer, self.d_model = rows, n_layer, d_model
+        self.width = d_model if width is None else width
         self.mems: list[Tensor] | None = None  # n_layer x [b, M, D]
         self.mask: Tensor | None = None  # [b, M] bool or None (all valid)
 
@@ -114,7 +117,7 @@ class Memory:
         carried; empty when there is no memory."""
         if self.mems is None:
             return {}
-        state = {f"mems.{n}": m for n, m in enumerate(self.mems)}
+        state = {f"mems.{n}": m[..., : self.d_model] for n, m in enumerate(self.mems)}
         if self.mask is not None:
             state["mem_mask"] = self.mask
         return state
@@ -131,6 +134,8 @@ class Memory:
         mask = state.get("mem_mask")
         if mask is not None and tuple(mask.shape) != tuple(mems[0].shape[:2]):
             raise ValueError(f"mem_mask has shape {tuple(mask.shape)}, expected [b, M]")
+        if self.width != self.d_model:
+            mems = [torch.nn.functional.pad(m, (0, self.width - self.d_model)) for m in mems]
         self.mems, self.mask = mems, mask
 
 
