@@ -24,8 +24,8 @@ def corpus(tmp_path_factory):
 def _run(corpus, out, accum: int, steps: int) -> tuple[list[dict], list[float]]:
     """Per step: every parameter's gradient as Adam gets it before clipping, and the
     reported norm."""
-    from txlm.train import Trainer
-    from txlm.train_config import resolve
+    from txlm.training import Trainer
+    from txlm.training.config import resolve
 
     root, text = corpus
     config = resolve(
@@ -56,7 +56,7 @@ def _run(corpus, out, accum: int, steps: int) -> tuple[list[dict], list[float]]:
         )  # fmt: skip
 
     trainer.scaler.unscale_ = unscale_
-    norms = [trainer.train_step()["grad_norm"] for _ in range(steps)]
+    norms = [float(trainer.train_step().grad_norm) for _ in range(steps)]
     return grads, norms
 
 
