@@ -42,9 +42,10 @@ import torch
 
 from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 from txlm.data.vocab import write_text_atomic
-from txlm.generate import CachedDecoder, SamplingConfig, UncachedDecoder, sample
+from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig, sample
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/generate.json updates the committed one

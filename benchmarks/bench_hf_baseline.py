@@ -10,7 +10,10 @@ A random HF model is saved and converted with ``txlm.convert``, so both models s
 identical weights. Both then run interleaved in this process, in alternating order each
 round, with memory carried across steps (full 128-position memory from the first timed step):
 - train: forward + backward + Adam step (lr 2.5e-4), train mode (dropout on);
-- eval: forward under no_grad, eval mode.
+- eval: forward under no_grad, eval mode;
+- generate: whole ``generate`` calls as a user times them (decoder set-up, a 256-token prompt
+  read, 64 new tokens drawn from the top 40: HF's ``generate(do_sample=True, top_k=40)``,
+  ``txlm.generate(top_k=40)``), eval mode; tokens/s counts the new tokens.
 Reported: median tokens/s over rounds (wall clock, and per CPU-second of this process, which
 a shared machine disturbs less), txlm/HF ratios, and model FLOPs utilisation (wall clock)
 against the fp32 matmul peak measured here. JSON to stdout and runs/bench/hf_baseline.json (--out).
@@ -55,6 +58,7 @@ SHAPE = dict(
     dropatt=0.0,
 )
 BATCH, TGT_LEN = 8, 128
+GEN_PROMPT, GEN_NEW, GEN_TOP_K = 256, 64, 40
 
 
 def matmul_peak_gflops(seconds: float = 2.0) -> float:
@@ -137,6 +141,22 @@ class Runner:
         self.opt.step()
 
     @torch.no_grad()
+    def generate_call(self) -> None:
+        self.model.eval()
+        prompt = self.data[0, :GEN_PROMPT]
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.name == "hf":
+            torch.manual_seed(self.calls)
+            self.model.generate(
+                prompt[None], max_new_tokens=GEN_NEW, min_new_tokens=GEN_NEW, do_sample=True,
+                top_k=GEN_TOP_K, pad_token_id=0,
+            )  # fmt: skip
+        else:
+            txlm.generate(
+                self.model, prompt, max_new_tokens=GEN_NEW, top_k=GEN_TOP_K, seed=self.calls
+            )
+
+    @torch.no_grad()
     def eval_step(self) -> None:
         self.model.eval()
         x, _ = self._segment()
@@ -144,7 +164,7 @@ class Runner:
         self.eval_mems = out.mems
 
 
-def timed(fn, steps: int) -> tuple[float, float]:
+def timed(fn, steps: int, tokens_per_step: int = BATCH * TGT_LEN) -> tuple[float, float]:
     """(tokens per wall second, tokens per CPU second of this process).
 
     The machine is shared: wall-clock rates move with other people's load, CPU time much
@@ -153,7 +173,7 @@ def timed(fn, steps: int) -> tuple[float, float]:
     t, c = time.perf_counter(), time.process_time()
     for _ in range(steps):
         fn()
-    tokens = steps * BATCH * TGT_LEN
+    tokens = steps * tokens_per_step
     return tokens / (time.perf_counter() - t), tokens / (time.process_time() - c)
 
 
@@ -162,6 +182,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--train-steps", type=int, default=2, help="timed train steps per round")
     ap.add_argument("--eval-steps", type=int, default=4, help="timed eval steps per round")
+    ap.add_argument("--generate-calls", type=int, default=1, help="timed calls per round")
+    ap.add_argument("--kinds", default="train,eval,generate", help="comma-separated")
     ap.add_argument("--threads", type=int, default=2)
     # scratch by default (under the current directory, as txlm train's runs/); --out
     # benchmarks/results/hf_baseline.json updates the committed one
@@ -181,25 +203,34 @@ def main() -> int:
             r.train_step()
             r.eval_step()
 
-    rates: dict[str, dict[str, list[float]]] = {
-        k: {"train": [], "eval": []} for k in ("hf", "txlm")
+    kinds = args.kinds.split(",")
+    plan = {
+        "train": (args.train_steps, BATCH * TGT_LEN),
+        "eval": (args.eval_steps, BATCH * TGT_LEN),
+        "generate": (args.generate_calls, GEN_NEW),
     }
+    if "generate" in kinds:
+        for r in runners.values():  # warm-up
+            r.generate_call()
+    rates: dict[str, dict[str, list[float]]] = {k: {n: [] for n in kinds} for k in ("hf", "txlm")}
     cpu_rates: dict[str, dict[str, list[float]]] = {
-        k: {"train": [], "eval": []} for k in ("hf", "txlm")
+        k: {n: [] for n in kinds} for k in ("hf", "txlm")
     }
     for rnd in range(args.rounds):
         order = ["hf", "txlm"] if rnd % 2 == 0 else ["txlm", "hf"]
-        for kind, steps in (("train", args.train_steps), ("eval", args.eval_steps)):
+        for kind in kinds:
+            steps, tokens = plan[kind]
             for name in order:
                 runner = runners[name]
-                fn = runner.train_step if kind == "train" else runner.eval_step
-                wall, cpu = timed(fn, steps)
+                fn = {"train": runner.train_step, "eval": runner.eval_step,
+                      "generate": runner.generate_call}[kind]  # fmt: skip
+                wall, cpu = timed(fn, steps, tokens)
                 rates[name][kind].append(wall)
                 cpu_rates[name][kind].append(cpu)
         print(
             f"round {rnd + 1}/{args.rounds}: "
             + ", ".join(
-                f"{n} train {rates[n]['train'][-1]:.0f} eval {rates[n]['eval'][-1]:.0f} tok/s"
+                f"{n} " + " ".join(f"{k} {rates[n][k][-1]:.0f}" for k in kinds) + " tok/s"
                 for n in ("hf", "txlm")
             ),
             file=sys.stderr,
@@ -216,12 +247,16 @@ def main() -> int:
         "threads": args.threads,
         "rounds": args.rounds,
         "tokens_per_s": {n: {k: round(v, 1) for k, v in d.items()} for n, d in med.items()},
-        "ratio_txlm_over_hf": {
-            k: round(med["txlm"][k] / med["hf"][k], 3) for k in ("train", "eval")
+        "ratio_txlm_over_hf": {k: round(med["txlm"][k] / med["hf"][k], 3) for k in kinds},
+        # each round's own ratio (the two ran back to back): the spread
+        "ratio_rounds": {
+            k: [round(t / h, 3) for t, h in zip(rates["txlm"][k], rates["hf"][k], strict=True)]
+            for k in kinds
         },
+        "generate": {"prompt": GEN_PROMPT, "new_tokens": GEN_NEW, "top_k": GEN_TOP_K},
         "tokens_per_cpu_s": {n: {k: round(v, 1) for k, v in d.items()} for n, d in cpu_med.items()},
         "cpu_ratio_txlm_over_hf": {
-            k: round(cpu_med["txlm"][k] / cpu_med["hf"][k], 3) for k in ("train", "eval")
+            k: round(cpu_med["txlm"][k] / cpu_med["hf"][k], 3) for k in kinds
         },
         "load_average_1min_at_end": round(os.getloadavg()[0], 2),
         "per_round": rates,
@@ -229,8 +264,9 @@ def main() -> int:
         "model_gflop_per_token": {"forward": fwd / 1e9, "train": 3 * fwd / 1e9},
         "mfu": {
             n: {
-                "train": round(med[n]["train"] * 3 * fwd / (peak * 1e9), 3),
-                "eval": round(med[n]["eval"] * fwd / (peak * 1e9), 3),
+                k: round(med[n][k] * (3 if k == "train" else 1) * fwd / (peak * 1e9), 3)
+                for k in kinds
+                if k != "generate"  # decoding is not the forward's work per token
             }
             for n in med
         },

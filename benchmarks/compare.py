@@ -11,7 +11,7 @@ What is measured, per config and dtype (bf16 = CPU autocast for both libraries):
             memory already full, carried from segment to segment;
 - generate  greedy decoding of one row, one token at a time with long memory (mem_len 512,
             a 512-token context read first, not timed, so the memory is full). txlm uses
-            its cached decoder (txlm.generate.CachedDecoder).
+            its cached decoder (txlm.decode.CachedDecoder).
 - eval with txlm_kv: the same evaluation through txlm.model.kv_eval.CachedEvaluator.
 Every workload alternates between the two libraries round by round (order flipped each
 round) and reports medians over rounds: the machine is shared and noisy, so only figures
@@ -59,7 +59,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
 from txlm.data.vocab import write_text_atomic
-from txlm.generate import CachedDecoder
+from txlm.decode import CachedDecoder
 from txlm.model.kv_eval import CachedEvaluator
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
@@ -149,8 +149,8 @@ def build_pair(s: Shape, seed: int = 0) -> tuple[TransfoXLLMHeadModel, txlm.Tran
 
 
 def set_mem_len(hf: TransfoXLLMHeadModel, tx: txlm.TransformerXL, mem_len: int) -> None:
+    """HF's memory length is state of the model; txlm's lengths are passed per call."""
     hf.reset_memory_length(mem_len)
-    tx.set_lengths(mem_len=mem_len)
 
 
 def hf_empty_mems(hf: TransfoXLLMHeadModel, batch: int) -> list[torch.Tensor]:
@@ -220,14 +220,13 @@ def make_eval(lib: str, model, s: Shape, dtype: str, mem: int) -> Callable[[], N
     """lib "hf", "txlm" (the plain forward) or "txlm_kv" (CachedEvaluator: memory K/V kept)."""
     gen = torch.Generator().manual_seed(2)
     state: dict = {"mems": hf_empty_mems(model, s.batch) if lib == "hf" else None}
-    runner = CachedEvaluator(model) if lib == "txlm_kv" else None
+    kw = {} if lib == "hf" else {"lengths": model.lengths.replace(mem_len=mem)}
+    runner = CachedEvaluator(model, **kw) if lib == "txlm_kv" else None
 
     def step() -> None:
         model.eval()
         if lib == "hf":
             model.reset_memory_length(mem)
-        else:
-            model.set_lengths(mem_len=mem)
         ids = torch.randint(0, s.vocab, (s.batch, s.tgt_len), generator=gen)
         with torch.no_grad(), autocast(dtype):
             if runner is not None:
@@ -236,7 +235,7 @@ def make_eval(lib: str, model, s: Shape, dtype: str, mem: int) -> Callable[[], N
             # HF's loss path fails under bf16 autocast (index_put of bf16 losses into a
             # float32 buffer); its log-prob path costs the same at this vocabulary size.
             labels = None if lib == "hf" and dtype == "bf16" else ids
-            out = model(ids, mems=state["mems"], labels=labels)
+            out = model(ids, mems=state["mems"], labels=labels, **kw)
         state["mems"] = out.mems
 
     # fill the memory first: timed segments all see `mem` memory positions
@@ -266,8 +265,7 @@ def make_generate(lib: str, model, s: Shape, dtype: str, new: int) -> Callable[[
                     out = model(tok, mems=out.mems)
                     tok = out.prediction_scores[:, -1].argmax(-1, keepdim=True)
             else:
-                model.set_lengths(mem_len=GEN_MEM)
-                dec = CachedDecoder(model)
+                dec = CachedDecoder(model, lengths=model.lengths.replace(mem_len=GEN_MEM))
                 logp = dec.prefill(context.tolist())
                 t0 = time.perf_counter()
                 for _ in range(new):

@@ -12,11 +12,12 @@ batch 8 x 128, vocabulary 204, fp32): a training step (Adam), evaluation with 12
 memory, plain and with the K/V cache, ``trainer``: ``Trainer.train_step`` as ``txlm train``
 takes it (batching, the objective, clipping, fused Adam, the memory hand-over and reading the
 step's numbers) on a generated character corpus at the same shape, and greedy decoding
-(batch 1, mem 512, 32 tokens after a 512-token context, steps only): ``generate`` as
-``txlm generate`` runs it (the new code with its CPU one-token step over the cache),
-``generate_modules`` the new code's steps through the modules only
-(``CachedDecoder(one_token=False)``): the measurement that keeps the one-token step
-(txlm.model.one_token). Writes runs/bench/compare_revisions.json (--out).
+(batch 1, mem 512, 32 tokens after a 512-token context, steps only: ``generate``).
+``generate_call``: whole ``txlm.generate`` calls (decoder set-up, a 256-token prompt, 64 new
+tokens drawn from the top 40: what a user times) on bench_hf_baseline.py's model (d_model
+256, a 10,000-word softmax without cutoffs). Either side may be a revision with lengths held
+in the model (``set_lengths``) or passed per call (``Lengths``). Writes
+runs/bench/compare_revisions.json (--out).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def import_old(src: Path, into: Path):
 
 
 MODULES = ("config", "model", "generate", "model.kv_eval")
+# the HF-converted anchor of bench_hf_baseline.py: a full 10k softmax, no cutoffs
+CALL_SHAPE = {**SHAPE, "vocab_size": 10000}
 
 
 def _trainer(package: str, work: Path):
@@ -83,7 +86,23 @@ def _trainer(package: str, work: Path):
     return training.Trainer(config, work / f"{package}-run", echo=False)
 
 
-def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
+def with_mem(model, mem: int) -> dict:
+    """Keyword arguments for a forward with memory ``mem`` on either API: per call
+    (``lengths=``), or set on the model (older revisions; then none)."""
+    if hasattr(model, "set_lengths") or not hasattr(model, "lengths"):
+        model.config = model.config.replace(mem_len=mem)
+        return {}
+    return {"lengths": model.lengths.replace(mem_len=mem)}
+
+
+def decoder_class(mods: dict):
+    gen = mods["generate"]
+    if hasattr(gen, "CachedDecoder"):
+        return gen.CachedDecoder
+    return importlib.import_module(gen.__name__.replace(".generate", ".decode")).CachedDecoder
+
+
+def workloads(mods: dict, model, call_model, ids: torch.Tensor, work: Path) -> dict:
     def train():
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         st = {"mems": None, "i": 0}
@@ -105,8 +124,8 @@ def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
     def evaluate(mem: int, kv: bool):
         def setup():
             model.eval()
-            model.config = model.config.replace(mem_len=mem)
-            runner = mods["model.kv_eval"].CachedEvaluator(model) if kv else None
+            kw = with_mem(model, mem)
+            runner = mods["model.kv_eval"].CachedEvaluator(model, **kw) if kv else None
             st = {"mems": None, "i": 0}
 
             def f():
@@ -117,7 +136,7 @@ def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
                     if runner is not None:
                         runner(x, labels=x)
                     else:
-                        st["mems"] = model(x, mems=st["mems"], labels=x).mems
+                        st["mems"] = model(x, mems=st["mems"], labels=x, **kw).mems
 
             for _ in range(mem // 128):  # memory full before timing
                 f()
@@ -125,20 +144,15 @@ def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
 
         return setup
 
-    def decode(one_token: bool = True):
+    def decode():
         model.eval()
-        model.config = model.config.replace(mem_len=512)
+        kw = with_mem(model, 512)
         ctx = torch.randint(0, 204, (1, 512), generator=torch.Generator().manual_seed(3))
-        # the old code has no choice; the new one can leave out its CPU one-token step
-        opts = (
-            {}
-            if one_token or mods["generate"].__name__.startswith("txlm_old")
-            else {"one_token": False}
-        )
+        decoder = decoder_class(mods)
 
         def f():
             with torch.no_grad():
-                dec = mods["generate"].CachedDecoder(model, **opts)
+                dec = decoder(model, **kw)
                 logp = dec.prefill(ctx.tolist())
                 t = time.perf_counter()
                 for _ in range(32):
@@ -153,6 +167,19 @@ def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
         account = getattr(t, "account", None)
         return lambda: account(t.train_step()) if account else t.train_step()
 
+    def generate_call():
+        call_model.eval()
+        prompt = torch.randint(0, 10000, (256,), generator=torch.Generator().manual_seed(4))
+        state = {"seed": 0}
+
+        def f():
+            state["seed"] += 1
+            mods["generate"].generate(
+                call_model, prompt.tolist(), max_new_tokens=64, top_k=40, seed=state["seed"]
+            )
+
+        return f
+
     return {
         "train": (train, 2),
         "trainer": (trainer, 2),
@@ -161,7 +188,7 @@ def workloads(mods: dict, model, ids: torch.Tensor, work: Path) -> dict:
         "eval_m512": (evaluate(512, False), 3),
         "eval_m512_kv": (evaluate(512, True), 3),
         "generate": (decode, 1),
-        "generate_modules": (lambda: decode(one_token=False), 1),
+        "generate_call": (generate_call, 1),
     }
 
 
@@ -188,11 +215,14 @@ def main(argv: list[str] | None = None) -> int:
         new = new_mods["model"].TransformerXL(new_mods["config"].ModelConfig(**SHAPE))
         old = old_mods["model"].TransformerXL(old_mods["config"].ModelConfig(**SHAPE))
         old.load_state_dict(new.state_dict())
+        new_call = new_mods["model"].TransformerXL(new_mods["config"].ModelConfig(**CALL_SHAPE))
+        old_call = old_mods["model"].TransformerXL(old_mods["config"].ModelConfig(**CALL_SHAPE))
+        old_call.load_state_dict(new_call.state_dict())
         ids = torch.randint(0, 204, (8, 129 * 6), generator=torch.Generator().manual_seed(1))
         work = Path(tmp)
         runs = {
-            "old": workloads(old_mods, old, ids, work),
-            "new": workloads(new_mods, new, ids, work),
+            "old": workloads(old_mods, old, old_call, ids, work),
+            "new": workloads(new_mods, new, new_call, ids, work),
         }
         names = args.only.split(",") if args.only else list(runs["new"])
         result: dict = {"threads": args.threads, "rounds": args.rounds, "workloads": {}}

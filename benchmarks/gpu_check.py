@@ -23,7 +23,8 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
    after the first token, and the first token's time;
 6. a profile: device kernels per bf16 training step and per decoded token, the top kernels;
 7. training compiled (``run.compile=auto`` is on for CUDA): compile seconds and tokens/s;
-   decoding compiled (``txlm generate --compile``);
+   decoding compiled (``txlm generate --compile``); decoding batches of 1, 8 and 64 rows
+   (memory 512, bf16, compiled and captured, and eager captured): tokens/s over all rows;
 8. the attention candidates (SDPA with the position term as a bias, or txlm's math; heads as
    they are or padded to a multiple of 8), and training in fp32 (TF32 off) and tf32.
 Models are built as txlm builds them on the device: on CUDA, heads padded to a multiple of 8
@@ -58,7 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import txlm
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, write_text_atomic
-from txlm.generate import CachedDecoder
+from txlm.decode import CachedDecoder
 from txlm.model import align
 from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
@@ -288,8 +289,8 @@ def evaluate(
 ) -> float:
     """Forward tokens/s with memory ``mem`` (full: timed after mem // L warm-up segments)."""
     model = build(config, device, padded=padded).eval()
-    model.set_lengths(mem_len=mem)
-    runner = CachedEvaluator(model) if kv else None
+    lengths = model.lengths.replace(mem_len=mem)
+    runner = CachedEvaluator(model, lengths=lengths) if kv else None
     warm = -(-mem // config.tgt_len)
     segments = warm + 6
     ids = torch.randint(0, config.vocab_size, (batch, config.tgt_len * segments), device=device)
@@ -301,7 +302,7 @@ def evaluate(
         if runner is not None:
             runner(seg, labels=seg)
         else:
-            state["mems"] = model(seg, mems=state["mems"], labels=seg).mems
+            state["mems"] = model(seg, mems=state["mems"], labels=seg, lengths=lengths).mems
 
     with torch.no_grad(), precision(device, name):
         for _ in range(warm):
@@ -320,22 +321,24 @@ def generate(
     graph: bool = False,
     compile: bool = False,
     padded: bool | None = None,
+    batch: int = 1,
 ) -> tuple[float, Tensor]:
-    """Greedy decoding speed (tokens/s), and the log-probs [new, V] of the steps from the
-    first (to compare precisions and devices on the same prompt). ``graph``: the step
-    replayed from a CUDA graph (CachedDecoder's default on CUDA), else launched op by op;
-    ``compile``: the step under torch.compile (on CUDA, then captured in a graph too). Timed
-    after 3 warm-up steps (a graph is captured, a compiled step built and recorded)."""
+    """Greedy decoding speed (tokens/s over all ``batch`` rows, each its own prompt), and
+    row 0's log-probs [new, V] of the steps from the first (to compare precisions and
+    devices on the same prompt). ``graph``: the step replayed from a CUDA graph
+    (CachedDecoder's default on CUDA), else launched op by op; ``compile``: the step under
+    torch.compile (on CUDA, then captured in a graph too). Timed after 3 warm-up steps (a
+    graph is captured, a compiled step built and recorded)."""
     model = build(config, device, padded=padded, exact=True).eval()
-    model.set_lengths(mem_len=max(config.mem_len, context))
+    lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
-    prompt = torch.randint(0, config.vocab_size, (context,), generator=g).tolist()
+    prompts = torch.randint(0, config.vocab_size, (batch, context), generator=g).tolist()
     backend = ("inductor" if device.type == "cuda" else "eager") if compile else False
     rows = []
     with torch.no_grad(), precision(device, name):
         captured = (graph or compile) and device.type == "cuda"  # as txlm generate does
-        dec = CachedDecoder(model, cuda_graph=captured, compile=backend)
-        logp = dec.prefill([prompt])
+        dec = CachedDecoder(model, lengths=lengths, cuda_graph=captured, compile=backend)
+        logp = dec.prefill(prompts)
         for _ in range(3):
             rows.append(logp[0].float().cpu())
             logp = dec.step(logp.argmax(-1))
@@ -345,7 +348,7 @@ def generate(
             rows.append(logp[0].clone())
             logp = dec.step(logp.argmax(-1))
         sync(device)
-        rate = new / (time.perf_counter() - t0)
+        rate = batch * new / (time.perf_counter() - t0)
     return round(rate, 1), torch.stack([r.float().cpu() for r in rows])
 
 
@@ -385,10 +388,10 @@ def profile(config: ModelConfig, device: torch.device, batch: int, context: int)
     step = TrainStep(config, device, "bf16" if device.type == "cuda" else "fp32", batch)
     step()
     model = build(config, device).eval()
-    model.set_lengths(mem_len=max(config.mem_len, context))
+    lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
     prompt = torch.randint(0, config.vocab_size, (context,)).tolist()
     with torch.no_grad():
-        dec = CachedDecoder(model, cuda_graph=False)
+        dec = CachedDecoder(model, lengths=lengths, cuda_graph=False)
         state = {"logp": dec.prefill([prompt])}
 
         def token() -> None:
@@ -474,6 +477,9 @@ def targets(result: dict) -> list[dict]:
         ("wt103-base training bf16, MFU", ">=", 0.15, best_train("wt103-base", "mfu")),
         ("enwik8-base training bf16, MFU", ">=", 0.30, best_train("enwik8-base", "mfu")),
         ("decoding, batch 1, mem 512, wt103-base, tokens/s", ">=", 3000, max(decode, default=None)),
+        ("decoding, batch 64, mem 512, wt103-base, tokens/s", ">=", 50_000,
+         max((m.get("64", 0) for m in result.get("generate_batch_tokens_per_s", {}).values()),
+             default=None)),
         ("txlm generate, default model, tokens/s", ">=", 1000, max(cli_rates, default=None)),
         ("eval 4x memory wt103-base bf16, tokens/s (2x of 83k)", ">=", 166_000,
          _best_eval(result, "wt103-base")),
@@ -637,6 +643,19 @@ def main(argv: list[str] | None = None) -> int:
             rates[p + "_compiled"] = generate(config0, device, p, new, context, compile=True)[0]
 
     run.section("decode compiled", decode_compiled)
+
+    def decode_batches() -> None:
+        # one capture per batch size; rows of one batch decode together (txlm generate
+        # --num-samples N, several prompts)
+        by_batch = r.setdefault("generate_batch_tokens_per_s", {})
+        modes = {"bf16_compiled": dict(compile=True), "bf16_cuda_graph": dict(graph=cuda)}
+        for mode, kw in modes.items():
+            by_batch[mode] = {
+                str(b): generate(config0, device, "bf16", new, context, batch=b, **kw)[0]
+                for b in ((1, 2) if args.quick else (1, 8, 64))
+            }
+
+    run.section("decode batch", decode_batches)
     run.section("txlm_generate_cli", lambda: generate_cli(device, 64 if args.quick else 1000,
                                                           args.quick))  # fmt: skip
     for shape in list(shapes)[1:]:

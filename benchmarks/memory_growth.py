@@ -85,7 +85,7 @@ def settle() -> int:
 def stream_model(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     model = _debug_model()
     # Evaluate with the preset's evaluation lengths (longer memory than training).
-    model.set_lengths(tgt_len=args.tgt_len, mem_len=args.mem_len)
+    lengths = model.lengths.replace(tgt_len=args.tgt_len, mem_len=args.mem_len)
     B, L = args.batch_size, args.tgt_len
     mems = None
     mem_mask = None
@@ -100,7 +100,7 @@ def stream_model(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
             start = s * L
             x = tokens[:, start : start + L]
             y = tokens[:, start + 1 : start + L + 1]
-            out = model(x, mems=mems, labels=y, mem_mask=mem_mask)
+            out = model(x, mems=mems, labels=y, mem_mask=mem_mask, lengths=lengths)
             mems, mem_mask = out.mems, out.mem_mask
             if args.inject_leak:  # the "growing cache" bug this benchmark exists to catch
                 leak.append(out.mems)

@@ -116,7 +116,11 @@ def count_ops() -> dict:
     """Operations per training step and per decoded token at the wt103-base shape."""
     import txlm
     from txlm.config import ModelConfig
-    from txlm.generate import CachedDecoder
+
+    try:
+        from txlm.decode import CachedDecoder
+    except ImportError:  # a revision from before txlm.decode
+        from txlm.generate import CachedDecoder
 
     config = ModelConfig.from_preset(
         "wt103-base", vocab_size=32000, cutoffs=[8000, 16000], dropout=0.1, dropatt=0.0
@@ -140,13 +144,17 @@ def count_ops() -> dict:
         train_step()
 
     model.eval()
-    model.config = model.config.replace(mem_len=512)
+    if hasattr(model, "set_lengths"):  # a revision with lengths held in the model
+        model.set_lengths(mem_len=512)
+        opts: dict = {}
+    else:
+        opts = {"lengths": model.lengths.replace(mem_len=512)}
     prompt = torch.randint(0, config.vocab_size, (512,)).tolist()
     tokens = 8
 
-    def decode(**opts) -> dict:
+    def decode(**extra) -> dict:
         with torch.no_grad():
-            dec = CachedDecoder(model, **opts)
+            dec = CachedDecoder(model, **opts, **extra)
             logp = dec.prefill([prompt])
             for _ in range(3):  # past the first step (a CUDA graph captures on the second)
                 logp = dec.step(logp.argmax(-1))

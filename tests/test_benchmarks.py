@@ -25,7 +25,6 @@ def test_forward_flops_match_the_ops_the_model_runs():
     """compare.forward_flops equals what torch's FLOP counter sees in txlm's forward with a
     full memory (math attention path, so every product is a plain matmul)."""
     _, tx = compare.build_pair(SMALL)
-    tx.config = tx.config.replace(attn_impl="math")
     for layer in tx.layers:
         layer.attn.attn_impl = "math"
     tx.eval()
@@ -38,7 +37,6 @@ def test_forward_flops_match_the_ops_the_model_runs():
 
 def test_train_flops_are_forward_and_backward_less_the_unneeded_input_gradients():
     _, tx = compare.build_pair(SMALL)
-    tx.config = tx.config.replace(attn_impl="math")
     for layer in tx.layers:
         layer.attn.attn_impl = "math"
     tx.train()

@@ -76,13 +76,14 @@ def test_max_steps_and_metric_and_training_flag():
     assert metric_value(math.log(50.0), "ppl") == pytest.approx(50.0)
 
 
-def test_stream_segments_cover_the_stream_once_and_restore_on_close():
+def test_stream_segments_cover_the_stream_once_and_change_nothing_between_segments():
     from txlm.evaluate import stream_segments
 
     model = _model(mem_len=16)
     model.train()
     tokens = torch.arange(30) % 20
-    segs = list(stream_segments(model, tokens, batch_size=2, tgt_len=4, mem_len=8))
+    lengths = model.lengths.replace(tgt_len=4, mem_len=8)
+    segs = list(stream_segments(model, tokens, lengths=lengths, batch_size=2))
     # 29 predictions in 2 rows of 15 (the last padded): segments of 4, 4, 4, 3 columns
     assert [(s.index, s.start, s.input_ids.shape[1]) for s in segs] == [
         (0, 0, 4), (1, 4, 4), (2, 8, 4), (3, 12, 3)
@@ -91,11 +92,13 @@ def test_stream_segments_cover_the_stream_once_and_restore_on_close():
     assert segs[1].out.mems[0].shape == (2, 8, 32)  # memory carried, mem_len 8
     assert segs[0].labels[1, 0] == tokens[16]  # row 1 starts at token 15, predicts 16
     # predict=False: the tokens themselves are one row, nothing labelled
-    raw = list(stream_segments(model, tokens, predict=False, tgt_len=16))
+    raw = list(stream_segments(model, tokens, predict=False, lengths=lengths.replace(tgt_len=16)))
     assert [s.input_ids.shape for s in raw] == [(1, 16), (1, 14)] and raw[0].labels is None
-    # closed early: lengths and training mode are back
-    it = stream_segments(model, tokens, tgt_len=4, mem_len=64, same_length=True)
-    next(it)
-    assert model.config.mem_len == 64 and not model.training
-    it.close()
-    assert (model.config.mem_len, model.config.same_length, model.training) == (16, False, True)
+    # while the caller holds a segment (or drops the iterator) the model is as it was
+    before = model.config
+    it = stream_segments(model, tokens, lengths=lengths.replace(mem_len=64, same_length=True))
+    seg = next(it)
+    assert seg.out.mems[0].size(1) == 4  # the lengths of the call: memory up to 64
+    assert model.config == before and model.lengths.mem_len == 16 and model.training
+    del it
+    assert model.config == before and model.training

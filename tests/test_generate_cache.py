@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.generate import CachedDecoder, UncachedDecoder, generate
+from txlm.decode import CachedDecoder, UncachedDecoder
+from txlm.generate import generate
 from txlm.model import TransformerXL
 
 ATOL = 1e-5
@@ -101,59 +102,79 @@ def test_cached_decoding_matches_recompute_across_trimming(name: str) -> None:
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=0)
 
 
+def _decode(dec, prompt: list[int], cont: list[int]) -> torch.Tensor:
+    out = [dec.prefill([prompt])[0]]
+    out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
+    return torch.stack(out)
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_one_token_step_equals_the_modules(name: str) -> None:
-    """The CPU one-token step (txlm.model.one_token) gives the log-probs of the modules' step
-    over the same cache, across many ring wrap-arounds (24 + 1 slots), in every configuration
-    (same_length included: the step leaves out the oldest slot of the full ring itself);
-    where it does not apply (absolute encodings) the modules run."""
+def test_eager_and_static_steps_agree(name: str) -> None:
+    """The one-query step over an eager cache (written slots only, position keys in slot
+    order, no mask; same_length hides one slot) equals it over a static cache (every slot,
+    keys gathered per distance, the additive mask: what is compiled and captured), across
+    many ring wrap-arounds (24 + 1 slots), in every configuration."""
     overrides, steps = CONFIGS[name]
     model = make_model(**overrides)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 64, (13,), generator=g).tolist()
     cont = torch.randint(0, 64, (steps,), generator=g).tolist()
-    fast, modules = CachedDecoder(model), CachedDecoder(model, one_token=False)
-    calls = []
-    one = fast._one
-    fast._one = lambda ids, cache: calls.append(1) or one(ids, cache)
-    rows = {}
-    for side, dec in (("fast", fast), ("modules", modules)):
-        out = [dec.prefill([prompt])[0]]
-        out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
-        rows[side] = torch.stack(out)
-    covered = model.config.attn_type in ("xl", "shaw")
-    assert len(calls) == (steps - 1 if covered else 0)
-    assert (rows["modules"][1:] - rows["modules"][:-1]).abs().max() > 0.1
-    torch.testing.assert_close(rows["fast"], rows["modules"], atol=ATOL, rtol=0)
+    eager, static = CachedDecoder(model), CachedDecoder(model)
+    static.static = True  # the cache a compiled or captured step runs over, run eagerly
+    rows = {"eager": _decode(eager, prompt, cont), "static": _decode(static, prompt, cont)}
+    assert not eager.cache.static and static.cache.static
+    assert (rows["static"][1:] - rows["static"][:-1]).abs().max() > 0.1
+    torch.testing.assert_close(rows["eager"], rows["static"], atol=ATOL, rtol=0)
+
+
+def test_one_query_steps_run_the_layers_one_query_form(monkeypatch) -> None:
+    """Every decoding step (eager or static) goes through ``RelativeAttention.decode_one``,
+    once per layer; the prompt's segments through ``forward``."""
+    from txlm.model.attention import RelativeAttention
+
+    model = make_model()
+    calls = {"decode_one": 0, "forward": 0}
+    for name in calls:
+        real = getattr(RelativeAttention, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(RelativeAttention, name, counted)
+    for static in (False, True):
+        dec = CachedDecoder(model)
+        dec.static = static
+        dec.prefill([list(range(1, 14))])  # 13 tokens: segments of 5 and 8
+        assert calls == {"decode_one": 0, "forward": 2 * model.config.n_layer}
+        for t in range(30):
+            dec.step(torch.tensor([t]))
+        assert calls["decode_one"] == 30 * model.config.n_layer
+        calls.update(decode_one=0, forward=0)
 
 
 @pytest.mark.parametrize("name", ["default", "same_length", "pre_lnorm", "adaptive"])
-def test_one_token_step_equals_the_modules_under_bf16_autocast(name: str) -> None:
-    """Under CPU autocast the one-token step runs on the decoder's bf16 copy over its float32
-    cache (products in bf16, attention, residual and LayerNorm in float32) and follows the
-    modules' autocast step to bf16 accuracy across ring wrap-arounds."""
+def test_bf16_decoder_follows_the_reference(name: str) -> None:
+    """A decoder made under CPU autocast runs its weight products in bf16 (copies made once)
+    over a float32 cache (attention, residual and LayerNorm in float32) and follows the
+    float32 reference to bf16 accuracy across ring wrap-arounds; its dtype is fixed when it
+    is made: its steps are the same inside autocast and out."""
     overrides, steps = CONFIGS[name]
     model = make_model(**overrides)
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(0, 64, (13,), generator=g).tolist()
     cont = torch.randint(0, 64, (steps,), generator=g).tolist()
-    rows = {}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fast, modules = CachedDecoder(model), CachedDecoder(model, one_token=False)
-        calls = []
-        one = fast._one
-        fast._one = lambda ids, cache: calls.append(1) or one(ids, cache)
-        for side, dec in (("fast", fast), ("modules", modules)):
-            out = [dec.prefill([prompt])[0]]
-            out += [dec.step(torch.tensor([tok]))[0] for tok in cont[:-1]]
-            rows[side] = torch.stack(out)
-    assert len(calls) == steps - 1
-    assert fast.net.layers[0].attn.qkv.weight.dtype == torch.bfloat16
-    assert fast.cache.kv.dtype == torch.float32
-    assert (rows["modules"][1:] - rows["modules"][:-1]).abs().max() > 0.1
-    torch.testing.assert_close(rows["fast"], rows["modules"], atol=0.05, rtol=0)
+        dec = CachedDecoder(model)
+        got = _decode(dec, prompt, cont)
+    assert dec.weights[0].qkv_t.dtype == torch.bfloat16
+    assert dec.cache.kv.dtype == torch.float32
+    assert model.layers[0].attn.qkv.weight.dtype == torch.float32  # the model is unchanged
     ref = reference_log_probs(model, prompt, cont)
-    torch.testing.assert_close(rows["fast"], ref, atol=0.1, rtol=0)
+    torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
+    assert (got - ref).abs().max() > 0  # bf16 really ran
+    outside = CachedDecoder(model, dtype=torch.bfloat16)
+    torch.testing.assert_close(_decode(outside, prompt, cont), got, atol=0, rtol=0)
 
 
 def test_cache_holds_projections_of_the_trimmed_memory() -> None:
@@ -271,7 +292,7 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
-    """Under CPU autocast the decoder runs a bf16 copy of the model, made once (the cached
+    """Under CPU autocast the decoder holds bf16 copies of the weights, made once (the cached
     attention stays float32 on a CPU): a step casts no weight (autocast would cast all of
     them every token) and still follows the float32 reference to bf16 accuracy."""
     model = make_model(d_inner=96)
@@ -287,7 +308,7 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
             with casts if i == 20 else contextlib.nullcontext():
                 rows.append(dec.step(torch.tensor([tok]))[0])
     got = torch.stack(rows)
-    assert dec.net.layers[0].attn.qkv.weight.dtype == torch.bfloat16  # a bf16 copy, made once
+    assert dec.weights[0].qkv_t.dtype == torch.bfloat16  # a bf16 copy, made once
     assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
     layer = model.layers[0]
     linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)
@@ -296,8 +317,3 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
     assert (got - ref).abs().max() > 0  # bf16 really ran
-
-    # outside autocast the same decoder goes back to float32 (weights and the cache)
-    step = dec.step(torch.tensor([cont[-1]]))
-    assert dec.cache.kv.dtype == dec.net.layers[0].attn.qkv.weight.dtype == torch.float32
-    assert torch.isfinite(step).all()

@@ -20,8 +20,9 @@ import txlm
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
-from txlm.generate import SamplingConfig, stream
+from txlm.generate import stream
 from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig
 from txlm.score import score, score_file
 
 data = pytest.importorskip("txlm.data", reason="needs the data package (branch data)")
@@ -104,16 +105,16 @@ def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
 def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys, monkeypatch) -> None:
     """--precision bf16 runs the decoder under autocast (its weight products in bf16); greedy
     text starts as fp32's does (bf16 rounding may flip a near-tie later: a prefix only)."""
-    from txlm.generate import CachedDecoder
+    from txlm.decode import CachedDecoder
 
     prepared: list[torch.dtype] = []
-    original = CachedDecoder._prepare
+    original = CachedDecoder.__init__
 
-    def recording(self, dtype):
-        prepared.append(dtype)
-        return original(self, dtype)
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        prepared.append(self.dtype)
 
-    monkeypatch.setattr(CachedDecoder, "_prepare", recording)
+    monkeypatch.setattr(CachedDecoder, "__init__", recording)
     argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--max-new-tokens", "8"]
     samples = {}
     for precision in ("fp32", "bf16"):
@@ -177,15 +178,15 @@ def test_score_equals_one_forward_and_restores_lengths(char_ckpt) -> None:
     assert model.config == before
     torch.testing.assert_close(got, -whole, atol=1e-5, rtol=0)
     # short memory: equals the segment loop written out by hand
-    model.set_lengths(tgt_len=10, mem_len=5)
+    lengths = model.lengths.replace(tgt_len=10, mem_len=5)
     mems, want = None, []
     for lo in range(0, 119, 10):
         out = model(
-            ids[None, lo : min(lo + 10, 119)], mems=mems, labels=ids[None, lo + 1 : lo + 11]
-        )
+            ids[None, lo : min(lo + 10, 119)], mems=mems, labels=ids[None, lo + 1 : lo + 11],
+            lengths=lengths,
+        )  # fmt: skip
         mems = out.mems
         want.append(-out.losses[0])
-    model.set_lengths(tgt_len=before.tgt_len, mem_len=before.mem_len)
     torch.testing.assert_close(score(model, ids, tgt_len=10, mem_len=5), torch.cat(want))
     vocab = Vocab.load(char_ckpt / "vocab.json")
     torch.testing.assert_close(

@@ -9,8 +9,9 @@ import torch
 
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
-from txlm.generate import SamplingConfig, filter_log_probs, generate, sample
+from txlm.generate import generate
 from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig, filter_log_probs, sample
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])  # order by mass: 1, 3, 2, 0
 LOGP = PROBS.log()
@@ -121,9 +122,12 @@ def test_shapes_of_results() -> None:
     assert len({tuple(s) for s in samples}) > 1  # independent draws
     rows = generate(model, torch.tensor([[1, 2], [3, 4]]), max_new_tokens=2, seed=0)
     assert len(rows) == 2 and all(len(r) == 2 for r in rows)
-    assert model.generate([1, 2], max_new_tokens=5, seed=3) == generate(
+    # the same seed, the same ids; the model has no generate of its own (it does not
+    # import the generation layer above it)
+    assert generate(model, [1, 2], max_new_tokens=5, seed=3) == generate(
         model, [1, 2], max_new_tokens=5, seed=3
     )
+    assert not hasattr(model, "generate")
 
 
 def test_empty_prompt_starts_from_the_start_token() -> None:
@@ -150,7 +154,7 @@ def test_out_of_range_ids_are_refused() -> None:
 )
 def test_top_k_candidates_are_the_filtered_distribution(config: SamplingConfig) -> None:
     """The fast draw over k candidates uses exactly filter_log_probs' distribution."""
-    from txlm.generate import top_k_candidates
+    from txlm.sampling import top_k_candidates
 
     scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
     top = top_k_candidates(scores, config)
@@ -168,7 +172,7 @@ def test_top_k_candidates_are_the_filtered_distribution(config: SamplingConfig) 
 def test_top_k_keeps_exactly_k_even_on_a_tie() -> None:
     """A tie at the k-th score is broken by ``topk``'s order (deciding it on the host would
     cost a synchronisation per token); the full-vocabulary rule keeps the same k tokens."""
-    from txlm.generate import top_k_candidates
+    from txlm.sampling import top_k_candidates
 
     scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])  # top-2: 3 and a tie at 2
     config = SamplingConfig(top_k=2)
@@ -182,9 +186,9 @@ def test_top_k_keeps_exactly_k_even_on_a_tie() -> None:
 
 def test_the_draw_is_multinomials_for_the_same_generator_state() -> None:
     """The top-k draw skips torch.multinomial's input checks but not its arithmetic."""
-    from txlm.generate import _draw
+    from txlm.sampling import draw
 
     probs = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).softmax(-1)
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     for _ in range(50):
-        assert torch.equal(_draw(probs, g1), torch.multinomial(probs, 1, generator=g2))
+        assert torch.equal(draw(probs, g1), torch.multinomial(probs, 1, generator=g2))

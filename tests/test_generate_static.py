@@ -16,8 +16,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from txlm.config import ModelConfig
-from txlm.generate import CachedDecoder, SamplingConfig, sample
+from txlm.decode import CachedDecoder
 from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig, sample
 
 STEPS = 600
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.generate import CachedDecoder
+from txlm.decode import CachedDecoder
 from txlm.model import TransformerXL
 from txlm.model.align import pad_heads
 

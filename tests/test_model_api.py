@@ -1,7 +1,10 @@
-"""The public model API: keyword-only arguments, ``loss`` / ``losses``, ``model.lengths`` and
-configuration changes that either take effect or fail (ARCHITECTURE.md, "Model API")."""
+"""The public model API: keyword-only arguments, ``loss`` / ``losses``, lengths as an
+argument of the call (``Lengths``; ``model.lengths`` the built ones), a configuration fixed
+at construction (ARCHITECTURE.md, C12)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +14,7 @@ from txlm.errors import ConfigError
 from txlm.model import TransformerXL
 from txlm.model.attention import RelativeAttention
 from txlm.model.dropout import Dropout
+from txlm.model.lengths import Lengths
 
 
 def _model(**overrides) -> TransformerXL:
@@ -55,65 +59,58 @@ def test_loss_with_no_labelled_token_is_zero_not_nan():
     assert out.loss.item() == 0.0
 
 
-def test_lengths_apply_inside_the_block_and_are_restored_after_it():
+def test_lengths_are_an_argument_of_the_call_and_change_nothing_after_it():
     model = _model()
     before = model.config
-    seen = []
-    with model.lengths(mem_len=32, tgt_len=16, clamp_len=5, same_length=True) as m:
-        assert m is model
-        c = model.config
-        seen.append((c.mem_len, c.tgt_len, c.clamp_len, c.same_length))
-        out = model(torch.randint(0, 40, (1, 4)))
-        out = model(torch.randint(0, 40, (1, 4)), mems=out.mems)
-        assert out.mems[0].size(1) == 8  # 4 + 4 states: below the block's mem_len of 32
-        for _ in range(10):
-            out = model(torch.randint(0, 40, (1, 4)), mems=out.mems)
-        assert out.mems[0].size(1) == 32  # trimmed to the block's memory, not the model's 8
-    assert seen == [(32, 16, 5, True)]
-    assert model.config == before
+    lengths = model.lengths.replace(mem_len=32, tgt_len=16, clamp_len=5, same_length=True)
+    assert isinstance(lengths, Lengths) and lengths != model.lengths
+    out = model(torch.randint(0, 40, (1, 4)), lengths=lengths)
+    out = model(torch.randint(0, 40, (1, 4)), mems=out.mems, lengths=lengths)
+    assert out.mems[0].size(1) == 8  # 4 + 4 states: below the call's mem_len of 32
+    for _ in range(10):
+        out = model(torch.randint(0, 40, (1, 4)), mems=out.mems, lengths=lengths)
+    assert out.mems[0].size(1) == 32  # trimmed to the call's memory, not the model's 8
+    assert model.config == before and model.lengths == Lengths.of(before)
+    assert model(torch.randint(0, 40, (1, 4)), mems=out.mems).mems[0].size(1) == 8
 
 
-def test_lengths_are_restored_when_the_block_raises():
+def test_lengths_are_frozen_and_validated():
     model = _model()
-    before = model.config
-    with pytest.raises(RuntimeError, match="boom"), model.lengths(mem_len=99):
-        assert model.config.mem_len == 99
-        raise RuntimeError("boom")
-    assert model.config == before
-    with pytest.raises(ConfigError), model.lengths(tgt_len=0):  # invalid: refused, restored
-        pass
-    assert model.config == before
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        model.lengths.mem_len = 99
+    for bad in ({"tgt_len": 0}, {"mem_len": -1}, {"clamp_len": 1.5}, {"memory": 3},
+                {"mem_len": 0, "same_length": True}):  # fmt: skip
+        with pytest.raises(ConfigError):
+            model.lengths.replace(**bad)
+    assert model.lengths == Lengths.of(model.config)
 
 
-def test_every_runtime_field_takes_effect():
-    """Changing a field through ``model.config`` is never a silent no-op."""
-    model = _model(dropout=0.1, dropatt=0.1)
-    model.config = model.config.replace(dropout=0.3, dropatt=0.2, attn_impl="math")
-    drops = [m.p for m in model.modules() if isinstance(m, Dropout)]
-    assert drops and all(p == 0.3 for p in drops)
-    attns = [m for m in model.modules() if isinstance(m, RelativeAttention)]
-    assert all(a.dropatt == 0.2 and a.attn_impl == "math" for a in attns)
-
-    # lengths are read at every forward: memory is trimmed to the new mem_len
+def test_every_length_takes_effect():
+    """Each field of the lengths changes what a forward computes."""
+    model = _model()
     x = torch.randint(0, 40, (1, 8))
-    model.config = model.config.replace(mem_len=3)
-    assert model(x).mems[0].size(1) == 3
+    assert model(x, lengths=model.lengths.replace(mem_len=3)).mems[0].size(1) == 3
     # clamp_len and same_length change the numbers of a forward with memory
     mems = model(x).mems
     base = model(x, mems=mems).hidden
-    model.config = model.config.replace(clamp_len=1)
-    assert not torch.allclose(model(x, mems=mems).hidden, base)
-    model.config = model.config.replace(clamp_len=-1, same_length=True)
-    assert not torch.allclose(model(x, mems=mems).hidden, base)
+    for change in ({"clamp_len": 1}, {"same_length": True}):
+        got = model(x, mems=mems, lengths=model.lengths.replace(**change)).hidden
+        assert not torch.allclose(got, base)
+    # a cache holds the lengths it was made for: no other may be given with it
+    cache = model.new_cache(1, model.lengths.replace(mem_len=4))
+    assert cache.lengths.mem_len == 4 and cache.slots == 4 + 8
+    with pytest.raises(ValueError, match="differ from the cache"):
+        model.transform(x, cache=cache, lengths=model.lengths)
 
 
-@pytest.mark.parametrize(
-    "change", [{"n_head": 2, "d_head": 16}, {"pre_lnorm": True}, {"attn_type": "shaw"},
-               {"init_std": 0.5}, {"vocab_size": 41}],
-)  # fmt: skip
-def test_fields_fixed_at_construction_refuse_to_change(change):
-    model = _model()
+def test_the_config_is_what_the_model_was_built_with():
+    """``model.config`` cannot be reassigned: dropout, attention kernel and lengths are fixed
+    at construction (lengths per call through ``lengths=``)."""
+    model = _model(dropout=0.1, dropatt=0.1)
     before = model.config
-    with pytest.raises(ConfigError, match="cannot change on a built model"):
-        model.config = model.config.replace(**change)
-    assert model.config == before
+    with pytest.raises(AttributeError):
+        model.config = model.config.replace(dropout=0.3)
+    assert model.config is before
+    assert all(m.p == 0.1 for m in model.modules() if isinstance(m, Dropout))
+    attns = [m for m in model.modules() if isinstance(m, RelativeAttention)]
+    assert attns and all(a.dropatt == 0.1 and a.attn_impl == "sdpa" for a in attns)

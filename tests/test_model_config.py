@@ -82,16 +82,12 @@ def test_unknown_preset_lists_the_choices():
         ModelConfig.from_preset("gpt5")
 
 
-def test_set_lengths_changes_evaluation_lengths():
+def test_lengths_are_validated_like_the_config():
     model = TransformerXL(ModelConfig.from_preset("debug"))
-    model.set_lengths(mem_len=64, clamp_len=10, same_length=True)
-    assert (model.config.mem_len, model.config.clamp_len, model.config.same_length) == (
-        64,
-        10,
-        True,
-    )
+    lengths = model.lengths.replace(mem_len=64, clamp_len=10, same_length=True)
+    assert (lengths.mem_len, lengths.clamp_len, lengths.same_length) == (64, 10, True)
     with pytest.raises(ConfigError):
-        model.set_lengths(tgt_len=0)
+        model.lengths.replace(tgt_len=0)
 
 
 @pytest.mark.parametrize("attn_type", ["xl", "shaw", "vaswani", "alrfou"])

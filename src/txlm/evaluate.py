@@ -10,7 +10,7 @@ the paper; with B rows, B segments do, a negligible difference on real splits th
 batch-level throughput. Every token but the first is predicted exactly once.
 
 Because the model's positions are relative, evaluation may use a longer memory (and segment)
-than training: ``mem_len`` and friends override the model's lengths for this call only.
+than training: the lengths (txlm.model.lengths) are an argument of each call.
 
 ``stream_segments`` is the one loop that reads a stream segment by segment with memory;
 ``evaluate_tokens`` (validation, ``txlm eval``), ``txlm.score`` and the analysis tools are
@@ -33,6 +33,7 @@ from torch import Tensor
 from txlm.data import metrics as _metrics
 from txlm.model import TransformerXL
 from txlm.model.kv_eval import CachedEvaluator
+from txlm.model.lengths import Lengths
 
 LN2 = math.log(2.0)
 
@@ -88,21 +89,17 @@ class Segment:
     out: Any  # what the step returned: TransformerXLOutput by default
 
 
-# (input_ids, labels, mems, mem_mask) -> an object with .mems and .mem_mask
-Step = Callable[[Tensor, Tensor | None, list[Tensor] | None, Tensor | None], Any]
+# (input_ids, labels, mems, mem_mask, lengths) -> an object with .mems and .mem_mask
+Step = Callable[[Tensor, Tensor | None, list[Tensor] | None, Tensor | None, Lengths], Any]
 
 
-@torch.no_grad()
 def stream_segments(
     model: TransformerXL,
     tokens: Tensor | np.ndarray,
     *,
+    lengths: Lengths | None = None,
     batch_size: int = 1,
     predict: bool = True,
-    tgt_len: int | None = None,
-    mem_len: int | None = None,
-    clamp_len: int | None = None,
-    same_length: bool | None = None,
     max_segments: int | None = None,
     precision: str = "fp32",
     kv_cache: bool = False,
@@ -114,15 +111,19 @@ def stream_segments(
     The one streaming loop of txlm: evaluation, scoring, the ablation's evaluation, the
     evaluation-speed benchmark and the attention maps all iterate over it.
 
+    ``lengths``: the segment and attention lengths (txlm.model.lengths; None: the model's;
+    ``mem_len`` may exceed training's), passed to every forward.
     ``predict``: cut the stream into ``batch_size`` rows of inputs and next-token labels
     (``stream_rows``); False: the tokens themselves are the one row of inputs, no labels.
-    The lengths override the model's for the duration (``mem_len`` may exceed training's);
-    the model runs in eval mode; both are restored when the iteration ends or is closed.
+    Each segment runs in eval mode without autograd, and the model is back in its mode
+    before the segment is handed out: nothing stays changed while the caller holds it.
     ``kv_cache``: keep the memory's projected keys and values (``CachedEvaluator``).
     ``compile``: run the segments under ``torch.compile`` (static shapes: the first segment,
     without memory, and a shorter last one add a graph).
-    ``step``: a replacement for the model call (e.g. one that also collects attention).
+    ``step``: a replacement for the model call (e.g. one that also collects attention),
+    ``step(ids, labels, mems, mem_mask, lengths)``.
     """
+    lengths = model.lengths if lengths is None else lengths
     device = next(model.parameters()).device
     stream = torch.as_tensor(np.asarray(tokens, dtype=np.int64) if isinstance(tokens, np.ndarray)
                              else tokens).long().view(-1)  # fmt: skip
@@ -132,43 +133,41 @@ def stream_segments(
         counts = (labels != -100).sum(dim=0).cumsum(0).tolist()
     else:
         inputs, labels, counts = stream[None], None, None
-    was_training = model.training
-    lengths = dict(tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length)
-    with model.lengths(**lengths):
+    seg_len = lengths.tgt_len
+    n_segments = math.ceil(inputs.size(1) / seg_len)
+    if max_segments is not None:
+        n_segments = min(n_segments, max_segments)
+    if step is None:
+        step = _model_step(model, lengths, kv_cache, compile)
+    mems: list[Tensor] | None = None
+    mem_mask: Tensor | None = None
+    done = 0
+    for index in range(n_segments):
+        lo = index * seg_len
+        hi = min(lo + seg_len, inputs.size(1))
+        ids = inputs[:, lo:hi].to(device, non_blocking=True)
+        lab = None if labels is None else labels[:, lo:hi].to(device, non_blocking=True)
+        was_training = model.training
         model.eval()
         try:
-            seg_len = model.config.tgt_len
-            n_segments = math.ceil(inputs.size(1) / seg_len)
-            if max_segments is not None:
-                n_segments = min(n_segments, max_segments)
-            if step is None:
-                step = _model_step(model, kv_cache, compile)
-            mems: list[Tensor] | None = None
-            mem_mask: Tensor | None = None
-            done = 0
-            for index in range(n_segments):
-                lo = index * seg_len
-                hi = min(lo + seg_len, inputs.size(1))
-                ids = inputs[:, lo:hi].to(device, non_blocking=True)
-                lab = None if labels is None else labels[:, lo:hi].to(device, non_blocking=True)
-                with autocast(device, precision):
-                    out = step(ids, lab, mems, mem_mask)
-                mems, mem_mask = out.mems, out.mem_mask
-                seen = 0 if counts is None else counts[hi - 1]
-                yield Segment(index, lo, ids, lab, seen - done, out)
-                done = seen
+            with torch.no_grad(), autocast(device, precision):
+                out = step(ids, lab, mems, mem_mask, lengths)
         finally:
             model.train(was_training)
+        mems, mem_mask = out.mems, out.mem_mask
+        seen = 0 if counts is None else counts[hi - 1]
+        yield Segment(index, lo, ids, lab, seen - done, out)
+        done = seen
 
 
-def _model_step(model: TransformerXL, kv_cache: bool, compile: bool) -> Step:
+def _model_step(model: TransformerXL, lengths: Lengths, kv_cache: bool, compile: bool) -> Step:
     """The model call of ``stream_segments``: a plain forward, or the key/value cache."""
     if kv_cache:
-        runner = CachedEvaluator(model, compile=compile)
-        return lambda ids, labels, mems, mem_mask: runner(ids, labels=labels)
+        runner = CachedEvaluator(model, lengths=lengths, compile=compile)
+        return lambda ids, labels, mems, mem_mask, lengths: runner(ids, labels=labels)
     forward = torch.compile(model, dynamic=False) if compile else model
-    return lambda ids, labels, mems, mem_mask: forward(
-        ids, mems=mems, labels=labels, mem_mask=mem_mask
+    return lambda ids, labels, mems, mem_mask, lengths: forward(
+        ids, mems=mems, labels=labels, mem_mask=mem_mask, lengths=lengths
     )
 
 
@@ -200,18 +199,12 @@ def evaluate_tokens(
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
     rounding, faster with long memory). ``compile``: see ``stream_segments``.
     """
-    used = model.config.replace(
-        **{
-            k: v
-            for k, v in dict(
-                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
-            ).items()
-            if v is not None
-        }
-    )
+    used = Lengths.of(
+        model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
+        same_length=same_length,
+    )  # fmt: skip
     segments = stream_segments(
-        model, tokens, batch_size=batch_size, tgt_len=tgt_len, mem_len=mem_len,
-        clamp_len=clamp_len, same_length=same_length, max_segments=max_steps,
+        model, tokens, lengths=used, batch_size=batch_size, max_segments=max_steps,
         precision=precision, kv_cache=kv_cache, compile=compile,
     )  # fmt: skip
     bar = None

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.evaluate import stream_segments
+from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
 
 
@@ -69,10 +70,11 @@ def score(
         from tqdm import tqdm
 
         bar = tqdm(total=n, unit="tok", desc="score", leave=False)
-    segments = stream_segments(
-        model, ids, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
+    lengths = Lengths.of(
+        model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
         same_length=same_length,
     )  # fmt: skip
+    segments = stream_segments(model, ids, lengths=lengths)
     for seg in segments:
         width = seg.input_ids.size(1)
         out[seg.start : seg.start + width] = -seg.out.losses[0].float().cpu()
@@ -171,7 +173,7 @@ def score_file(
     began = time.perf_counter()
     log_probs = score(model, ids, **lengths, progress=progress)
     seconds = time.perf_counter() - began
-    used = model.config.replace(**{k: v for k, v in lengths.items() if v is not None})
+    used = Lengths.of(model.config, **lengths)
     result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
     from txlm.data.metrics import metric_for_level, metrics
 

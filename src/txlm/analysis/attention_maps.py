@@ -30,6 +30,7 @@ from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.attention import RelativeAttention, rel_shift
+from txlm.model.lengths import Lengths
 
 
 def by_distance(probs: Tensor, n_dist: int) -> Tensor:
@@ -197,21 +198,21 @@ def attention_maps(
     seg_probs: list[tuple[int, Tensor]] = []  # (segment start, [N, H, L, K]) of the view
     extras: list[dict] = []
 
-    def step(ids, labels, mems, mem_mask):
+    def step(ids, labels, mems, mem_mask, lengths):
         """The model's layers, keeping each layer's attention probabilities."""
         extras.clear()
         if capture is not None:  # only count the segments we average
             for t in "abd":
                 capture.sums[t] = [None] * c.n_layer
         _, new_mems, _ = model.transform(
-            ids, mems, attn_kwargs={"return_probs": True}, extras=extras
+            ids, mems, lengths=lengths, attn_kwargs={"return_probs": True}, extras=extras
         )
         return SimpleNamespace(mems=new_mems, mem_mask=None)
 
     try:
         segments = stream_segments(
-            model, ids, predict=False, tgt_len=tgt_len, mem_len=mem_len,
-            same_length=mem_len > 0, step=step,
+            model, ids, predict=False, step=step,
+            lengths=Lengths.of(c, tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0),
         )  # fmt: skip
         for seg in segments:
             s, start, width = seg.index, seg.start, seg.input_ids.size(1)

@@ -45,6 +45,7 @@ from txlm.data.recall import copy_distances
 from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
+from txlm.model.lengths import Lengths
 from txlm.training import Trainer
 from txlm.training.config import TrainConfig, apply_set, parse_set, preset_config
 
@@ -203,8 +204,10 @@ def copy_profile(
     nll = np.full(n, np.nan)
     right = np.zeros(n, dtype=bool)
     segments = stream_segments(
-        model, tokens, batch_size=rows, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
-        same_length=False,
+        model, tokens, batch_size=rows,
+        lengths=Lengths.of(
+            model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=False
+        ),
     )  # fmt: skip
     # the ordinary streaming evaluation; labels[b, c] is token b * row_len + start + c + 1
     for seg in segments:

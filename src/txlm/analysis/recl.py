@@ -238,17 +238,17 @@ def token_losses(
     out = np.zeros((len(contexts), len(targets)), dtype=np.float64)
     tgt = torch.as_tensor(targets, dtype=torch.long)
     # No memory is used or kept: a single window is the whole context.
-    with model.lengths(mem_len=0, same_length=False):
-        for k, c in enumerate(contexts):
-            offsets = torch.arange(-c, 0)
-            for s in range(0, len(tgt), batch_size):
-                t = tgt[s : s + batch_size]
-                windows = ids[t[:, None] + offsets[None, :]].to(device)  # [b, c]
-                hidden, _, _ = model.transform(windows)
-                nll = model.softmax.nll(hidden[:, -1], ids[t].to(device))
-                out[k, s : s + len(t)] = nll.double().cpu().numpy()
-                if progress:
-                    progress(int(t.numel()) * c)
+    lengths = model.lengths.replace(mem_len=0, same_length=False)
+    for k, c in enumerate(contexts):
+        offsets = torch.arange(-c, 0)
+        for s in range(0, len(tgt), batch_size):
+            t = tgt[s : s + batch_size]
+            windows = ids[t[:, None] + offsets[None, :]].to(device)  # [b, c]
+            hidden, _, _ = model.transform(windows, lengths=lengths)
+            nll = model.softmax.nll(hidden[:, -1], ids[t].to(device))
+            out[k, s : s + len(t)] = nll.double().cpu().numpy()
+            if progress:
+                progress(int(t.numel()) * c)
     return out
 
 

@@ -32,6 +32,7 @@ from torch import Tensor
 from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
+from txlm.model.lengths import Lengths
 
 # The paper's Table 9: attention length -> how many times slower Al-Rfou et al. is (one GPU).
 PAPER_TABLE9: dict[int, float] = {800: 363.0, 1800: 773.0, 2800: 1409.0, 3800: 1874.0}
@@ -96,8 +97,8 @@ def time_xl(model: TransformerXL, stream: Tensor, attn_len: int, tgt_len: int, n
     n_seg = max(1, -(-n_tokens // tgt_len))
     elapsed = 0.0
     segments = stream_segments(
-        model, stream[0, : (warm + n_seg) * tgt_len + 1], tgt_len=tgt_len, mem_len=attn_len,
-        same_length=True, max_segments=warm + n_seg,
+        model, stream[0, : (warm + n_seg) * tgt_len + 1], max_segments=warm + n_seg,
+        lengths=Lengths.of(model.config, tgt_len=tgt_len, mem_len=attn_len, same_length=True),
     )  # fmt: skip
     with contextlib.closing(segments):
         for s in range(warm + n_seg):

@@ -23,8 +23,10 @@ from txlm.commands.options import add_device_options
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import CheckpointError, ConfigError
 from txlm.evaluate import autocast
-from txlm.generate import SamplingConfig, stream
+from txlm.generate import stream
+from txlm.model.lengths import Lengths
 from txlm.prompts import encode_prompt, end_token, read_prompt_file, start_token
+from txlm.sampling import SamplingConfig
 from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
@@ -112,14 +114,16 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return [read_prompt_file(args.prompt_file)]
 
 
-def _check_memory(args: argparse.Namespace, model: Any, device: torch.device, rows: int) -> None:
+def _check_memory(
+    args: argparse.Namespace, model: Any, device: torch.device, rows: int, mem_len: int
+) -> None:
     """Refuse a cache (rows x memory) that cannot fit (txlm.resources). After loading: the
     loader has checked config.json against the weights, whose memory is taken already."""
     from txlm import resources
 
     resources.check_generation(
         model.config, device, weights=0, rows=rows, samples=args.num_samples,
-        mem_len=model.config.mem_len, precision=args.precision, cache=not args.no_cache,
+        mem_len=mem_len, precision=args.precision, cache=not args.no_cache,
     )  # fmt: skip
 
 
@@ -148,8 +152,11 @@ def run(args: argparse.Namespace) -> int:
         raise CheckpointError(
             f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
         )
-    model.set_lengths(tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len)
-    _check_memory(args, model, device, rows=len(texts) * args.num_samples)
+    # the lengths of this run only: the model keeps the ones it was built with
+    lengths = Lengths.of(
+        model.config, tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len
+    )
+    _check_memory(args, model, device, rows=len(texts) * args.num_samples, mem_len=lengths.mem_len)
 
     prompts = []
     for ids, n_unk in (encode_prompt(vocab, text) for text in texts):
@@ -189,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
-        stop_id=stop, compile=args.compile,
+        stop_id=stop, compile=args.compile, lengths=lengths,
     )  # fmt: skip
     with autocast(device, args.precision):  # the generator runs inside: each step too
         for t, tokens in enumerate(steps):
@@ -231,9 +238,14 @@ def run(args: argparse.Namespace) -> int:
         if not streams[0].text().endswith("\n"):  # a sample stopped at a newline has one
             sys.stdout.write("\n")
     else:
+        # each prompt once, then its samples: the generated text only, each under a header
+        # that marks where it starts (a long --prompt-file is not repeated per sample)
         for (i, j), s in zip(rows, streams, strict=True):
+            if j == 0:
+                which = f"prompt {i + 1}" if len(prompts) > 1 else "prompt"
+                sys.stdout.write(f"=== {which} ===\n{texts[i]}\n")
             which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
-            sys.stdout.write(f"=== {which} (seed {seed}) ===\n{texts[i]}{s.text()}\n")
+            sys.stdout.write(f"=== {which} (seed {seed}): generated ===\n{s.text()}\n")
     sys.stdout.flush()
     sys.stderr.write(
         f"txlm: {produced} tokens in {elapsed:.2f}s "

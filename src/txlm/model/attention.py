@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from txlm.config import ModelConfig
 from txlm.model.cache import LayerCache
 from txlm.model.dropout import Dropout, dropout
+from txlm.model.layout import StepWeights
 
 
 def rel_shift(x: Tensor) -> Tensor:
@@ -226,10 +227,7 @@ class RelativeAttention(nn.Module):
         x = layer_norm(norm, h) if self.pre_lnorm else h
         q, k, val = self._project(x, mem, cache)
 
-        if self.attn_type != "xl":
-            u = v = None
-        elif self.untie_r:
-            u, v = self.u, self.v
+        u, v = self._position_biases(u, v)
         if cache is not None:
             rk = cache.table  # held in the cache's dtype
         else:
@@ -263,8 +261,81 @@ class RelativeAttention(nn.Module):
         # functional calls: the same as the modules', without a module call per use
         out = F.linear(attn.transpose(1, 2).flatten(2), self.out.weight)
         out = dropout(out, self.drop.p, self.training)
-        out = h + out if self.pre_lnorm else layer_norm(norm, h + out)
-        return out, extras
+        return self._residual(h, out), extras
+
+    def _residual(self, h: Tensor, out: Tensor) -> Tensor:
+        """The residual connection and LayerNorm: after the sum (post-LN), or none here
+        (pre-LN normalised the input)."""
+        return h + out if self.pre_lnorm else layer_norm(self.norm, h + out)
+
+    def _position_biases(
+        self, u: Tensor | None, v: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The content and position biases u, v [H, Dh] this layer adds ("xl" only): its own
+        (untie_r) or the model's shared ones."""
+        if self.attn_type != "xl":
+            return None, None
+        if self.untie_r:
+            return self.u, self.v
+        return u, v
+
+    # -- one query ----------------------------------------------------------------------
+    def decode_one(
+        self,
+        h: Tensor,
+        cache: LayerCache,
+        u: Tensor | None,
+        v: Tensor | None,
+        weights: StepWeights | None = None,
+    ) -> Tensor:
+        """``forward`` for one query per row over the cache: h [B, D] -> [B, D].
+
+        The same terms as ``forward`` laid out for L = 1: scores over the W slots the query
+        attends to are [B H, 1, W] rows, the content term (q + u) . k accumulates onto the
+        position term (q + v) . r (the cache's position keys, pre-scaled) in one ``baddbmm``
+        with the scale as alpha, and every product is a matrix-vector one (no fused SDPA
+        kernel: for one query its blocked kernel costs more than two such products). The
+        position term comes per slot (an eager step's ring table) or per distance, then
+        gathered by the step's index (a static step); the mask is the step's. ``weights``:
+        the projections laid out for one-row products (txlm.model.layout), in their own
+        dtype: inputs are cast to it and results back (a bf16 decoder over a float32 cache).
+        Inference only (no dropout).
+        """
+        batch, n_head, d_head = h.size(0), self.n_head, self.d_head
+        inner = n_head * d_head
+        act = h.dtype
+        qkv_t = self.qkv.weight.t() if weights is None else weights.qkv_t
+        out_t = self.out.weight.t() if weights is None else weights.out_t
+        x = layer_norm(self.norm, h) if self.pre_lnorm else h
+        qkv = _as(torch.mm(_as(x, qkv_t.dtype), qkv_t), act)  # [B, 3 I]
+        keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
+        q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
+        u, v = self._position_biases(u, v)
+        qc = (q if u is None else q + u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
+        step, width = cache.step, keys.size(1)
+        rk = cache.table  # [H, W, Dh] in slot order, or [H, S, Dh] per distance; scaled
+        if rk is None:  # absolute encodings: content only
+            scores = torch.bmm(qc, keys.transpose(1, 2)).mul_(self.scale)
+        else:
+            qp = (q if v is None else q + v).transpose(0, 1)  # [H, B, Dh]
+            pos = torch.bmm(qp, rk.transpose(1, 2)).transpose(0, 1)  # [B, H, W or S]
+            if step.index is not None:  # per distance -> per slot
+                pos = pos.index_select(-1, step.index[0])
+            pos = pos.reshape(-1, 1, width)
+            scores = pos.baddbmm_(qc, keys.transpose(1, 2), alpha=self.scale)  # [B H, 1, W]
+        if step.mask is not None:  # [1, S] shared, or [B, 1, 1, S] per row
+            scores = (scores.view(batch, n_head, width) + step.mask.view(-1, 1, width)).view(
+                -1, 1, width
+            )
+        elif step.hidden is not None:
+            scores.select(2, step.hidden).fill_(float("-inf"))
+        if scores.dtype == torch.float32 or scores.dtype == torch.float64:
+            probs = torch.softmax(scores, dim=-1)
+        else:  # half precision is normalised in float32
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
+        attn = _as(torch.bmm(probs, values).view(batch, inner), act)
+        out = _as(torch.mm(_as(attn, out_t.dtype), out_t), act)
+        return self._residual(h, out)
 
     def _project(
         self, x: Tensor, mem: Tensor | None, cache: LayerCache | None
@@ -296,7 +367,7 @@ class RelativeAttention(nn.Module):
         to its unfused reference math, which makes more passes over the scores than
         ``_scores``; and for a single query (decoding) its blocked kernel costs more than
         two matrix-vector products."""
-        if self.attn_impl != "sdpa" or return_probs:
+        if self.attn_impl != "sdpa" or return_probs or q.size(2) == 1:
             return False
         if q.device.type != "cpu":
             return True
@@ -317,14 +388,23 @@ class PositionwiseFF(nn.Module):
         self.drop = Dropout(config.dropout)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
-    def forward(self, h: Tensor) -> Tensor:
-        norm, fc1, fc2 = self.norm, self.fc1, self.fc2
+    def forward(self, h: Tensor, weights: StepWeights | None = None) -> Tensor:
+        """h [..., D] -> [..., D]. ``weights``: the two layers laid out for one-row products
+        (a decoding step, txlm.model.layout), in their own dtype: the input is cast to it and
+        the result back."""
+        norm = self.norm
         x = layer_norm(norm, h) if self.pre_lnorm else h
         p, training = self.drop.p, self.training
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, x.size(-1))
-        out = F.linear(x, fc1.weight, fc1.bias).relu_()
-        out = F.linear(dropout(out, p, training), fc2.weight, fc2.bias)
+        if weights is None:  # addmm(b, x, W^T) is what F.linear runs for a 2-D input
+            w1, b1, w2, b2 = self.fc1.weight.t(), self.fc1.bias, self.fc2.weight.t(), self.fc2.bias
+        else:
+            w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
+        out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
+        out = torch.addmm(b2, dropout(out, p, training), w2)
+        if weights is not None:
+            out = _as(out, h.dtype)
         out = dropout(out.view(h.shape), p, training)
         return h + out if self.pre_lnorm else layer_norm(norm, h + out)

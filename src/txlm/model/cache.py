@@ -24,10 +24,14 @@ each pair's score from the per-distance scores (q + v) . W_kR R_d, d = 0 .. S-1 
 Static and eager steps. A static cache (the default) gives every step the same shapes and
 operations, as compiling and graph capture need. An eager decoder (``static=False``) keeps
 the write position on the host as well, so a one-token step that needs no mask (no document
-ids, no same_length, every written slot inside the memory) skips it: it attends over the
-written slots only, and reads its position keys already in slot order from a ring table
-(``ring_tables``: a slice, where the static step gathers). The same slots and the same
-arithmetic, with a fraction of the per-token operations (what bounds a CPU step at batch 1).
+ids, every written slot inside the memory) skips it: it attends over the written slots only,
+and reads its position keys already in slot order from a ring table (``ring_tables``: a
+slice, where the static step gathers). With same_length such a step hides at most one slot
+(``CacheStep.hidden``: the oldest of a full ring). The same slots and the same arithmetic,
+with a fraction of the per-token operations (what bounds a CPU step at batch 1).
+
+The cache is made for one ``Lengths`` (txlm.model.lengths): its memory, its position table
+(clamped by ``clamp_len``) and its masks (``same_length``) follow them for its whole life.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from txlm.model.lengths import Lengths
 from txlm.model.mask import document_starts
 
 _EMPTY = -(2**40)  # position of a slot never written: outside every memory window
@@ -54,6 +59,8 @@ class CacheStep:
     # None: the position keys come in slot order (``ring``) and need no gather
     width: int  # slots the queries attend over: S, or the W < S written ones (eager only)
     ring: int = 0  # eager one-token step: where its slot-ordered keys start in ``ring_tables``
+    hidden: int | None = None  # eager one-token step with same_length: the one slot it may
+    # not see (the oldest of a full ring), None when it sees every written slot
 
 
 @dataclass
@@ -79,6 +86,21 @@ class LayerCache:
     def write(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         return self.cache.write(self.layer, self.step, kv)
 
+    def write_one(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """One query per row: store ``kv`` [B, 2 H Dh] (keys then values, as the fused
+        projection gives them); the keys and values [B H, W, Dh] the query attends over."""
+        cache, step = self.cache, self.step
+        buffer = cache.kv[self.layer]  # [2, B, H, S, Dh]
+        _, batch, heads, _, d_head = buffer.shape
+        kv = kv.view(batch, 2, heads, 1, d_head).transpose(0, 1)
+        buffer.index_copy_(3, step.slots, kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype))
+        if step.width < cache.slots:
+            buffer = buffer.narrow(3, 0, step.width)
+        rows = batch * heads
+        return buffer[0].reshape(rows, step.width, d_head), buffer[1].reshape(
+            rows, step.width, d_head
+        )
+
 
 class KVCache:
     """Per-layer keys and values ``kv`` [N, 2, B, H, S, Dh] of the newest positions (one
@@ -93,12 +115,14 @@ class KVCache:
         n_head: int,
         d_head: int,
         *,
-        mem_len: int,
-        max_len: int,
+        lengths: Lengths,
+        max_len: int | None = None,
         device: torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         static: bool = True,
     ) -> None:
+        self.lengths = lengths
+        mem_len, max_len = lengths.mem_len, lengths.tgt_len if max_len is None else max_len
         self.mem_len, self.max_len = mem_len, max_len
         self.slots = mem_len + max_len
         self.static = static
@@ -129,10 +153,12 @@ class KVCache:
     def batch(self) -> int:
         return self.kv.size(2)
 
-    def ensure_tables(self, build: Callable[[int], list[Tensor]]) -> list[Tensor]:
-        """Per layer [H, S, Dh] position keys of distances 0 .. S-1 (``build(S)``), made once."""
+    def ensure_tables(self, build: Callable[[int, int], list[Tensor]]) -> list[Tensor]:
+        """Per layer [H, S, Dh] position keys of distances 0 .. S-1 clamped at the cache's
+        clamp_len (``build(S, clamp_len)``), made once."""
         if self.tables is None:
-            self.tables = [t.to(self.kv.dtype) for t in build(self.slots)]
+            tables = build(self.slots, self.lengths.clamp_len)
+            self.tables = [t.to(self.kv.dtype) for t in tables]
         if not self.static and not self.ring_tables:
             # Column c holds distance (S - 1 - c) mod S, c < 2S - 1: the query in slot j sees
             # slot i at distance (j - i) mod S, so columns S-1-j .. 2S-2-j are the keys of
@@ -142,26 +168,26 @@ class KVCache:
             self.ring_tables = [t.index_select(1, cols) for t in self.tables]
         return self.tables
 
-    def unmasked(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> bool:
+    def unmasked(self, qlen: int, reset: Tensor | None) -> bool:
         """Whether ``advance(qlen, reset)`` of this (eager) cache gives an unmasked step: one
         query whose written slots are all inside its memory window (a ring of M + 1, or at
-        most M + 1 positions written), no document ids, no same_length; then the written
-        slots 0 .. W-1 are exactly what it sees."""
+        most M + 1 positions written), no document ids; then the written slots 0 .. W-1 are
+        what it sees, less the one at distance M under same_length (``CacheStep.hidden``)."""
         return (
             not self.static and qlen == 1 and reset is None and not self.per_row
-            and not same_length
             and (self.slots == self.mem_len + 1 or self.written <= self.mem_len)
         )  # fmt: skip
 
-    def advance(self, qlen: int, reset: Tensor | None, *, same_length: bool) -> CacheStep:
+    def advance(self, qlen: int, reset: Tensor | None) -> CacheStep:
         """Take the next ``qlen`` positions: their slots, document ids, and the mask and
         distance index every layer of this segment uses. Device work only (no host sync)."""
         if qlen > self.max_len:
             raise ValueError(
                 f"a segment of {qlen} tokens does not fit a cache made for {self.max_len}"
             )
+        same_length = self.lengths.same_length
         if not self.static:
-            unmasked = self.unmasked(qlen, reset, same_length=same_length)
+            unmasked = self.unmasked(qlen, reset)
             t = self.written
             self.written += qlen
             if unmasked:
@@ -169,9 +195,14 @@ class KVCache:
                 self.pos[slot] = t
                 self.next_pos.add_(1)
                 width = min(t + 1, self.slots)
-                return CacheStep(
-                    self._slot_ids.narrow(0, slot, 1), None, None, width, self.slots - 1 - slot
+                # same_length: the query sees the M newest positions, itself included
+                hidden = (
+                    (t - self.mem_len) % self.slots if same_length and t >= self.mem_len else None
                 )
+                return CacheStep(
+                    self._slot_ids.narrow(0, slot, 1), None, None, width, self.slots - 1 - slot,
+                    hidden,
+                )  # fmt: skip
         device = self.pos.device
         qpos = self.next_pos + torch.arange(qlen, device=device)  # [L]
         slots = qpos % self.slots
@@ -238,7 +269,7 @@ class KVCache:
         after reading a prompt in longer segments): copies the M' newest positions once."""
         n_layer, _, batch, n_head, _, d_head = self.kv.shape
         new = KVCache(
-            n_layer, batch, n_head, d_head, mem_len=self.mem_len, max_len=max_len,
+            n_layer, batch, n_head, d_head, lengths=self.lengths, max_len=max_len,
             device=self.kv.device, dtype=self.kv.dtype, static=self.static,
         )  # fmt: skip
         end = int(self.next_pos)

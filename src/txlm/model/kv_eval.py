@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from txlm.model.cache import KVCache
+from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL, TransformerXLOutput
 
 
@@ -37,10 +38,14 @@ class CachedEvaluator:
     """Runs consecutive segments of the same rows through ``model``, carrying the memory
     (hidden states, their validity mask, and the cache of projected keys/values)."""
 
-    def __init__(self, model: TransformerXL, *, compile: bool | str = False) -> None:
-        """``compile``: run ``transform`` under torch.compile (a string names the backend);
-        shapes are static, so every full segment after the first reuses one graph."""
+    def __init__(
+        self, model: TransformerXL, *, lengths: Lengths | None = None, compile: bool | str = False
+    ) -> None:
+        """``lengths``: the attention lengths (None: the model's); ``compile``: run
+        ``transform`` under torch.compile (a string names the backend); shapes are static,
+        so every full segment after the first reuses one graph."""
         self.model = model
+        self.lengths = model.lengths if lengths is None else lengths
         self._transform = model.transform
         if compile:
             backend = compile if isinstance(compile, str) else "inductor"
@@ -63,7 +68,9 @@ class CachedEvaluator:
             raise RuntimeError("CachedEvaluator needs model.eval(): dropout changes projections")
         if self.cache is None or self.cache.batch != input_ids.size(0):
             self.cache = model.new_cache(
-                input_ids.size(0), max(input_ids.size(1), model.config.tgt_len)
+                input_ids.size(0),
+                self.lengths,
+                max_len=max(input_ids.size(1), self.lengths.tgt_len),
             )
             # empty hidden-state memory (not None): transform then carries it along
             h = torch.empty(input_ids.size(0), 0, model.config.d_model, device=input_ids.device)

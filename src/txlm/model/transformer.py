@@ -15,28 +15,21 @@ Feed ``out.mems`` and ``out.mem_mask`` back with the next segment of the same ro
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
-from txlm.errors import ConfigError
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
 from txlm.model.cache import KVCache, LayerCache
 from txlm.model.dropout import Dropout, dropout
+from txlm.model.layout import StepWeights
+from txlm.model.lengths import Lengths
 from txlm.model.mask import attention_mask
 from txlm.model.memory import update_memory
 from txlm.model.positional import relative_distances, sinusoid
-
-# Fields that may change on a built model (``model.config = ...``, ``model.lengths(...)``).
-RUNTIME_FIELDS = (
-    "tgt_len", "mem_len", "clamp_len", "same_length", "dropout", "dropatt", "attn_impl",
-)  # fmt: skip
 
 
 @dataclass
@@ -58,15 +51,34 @@ class DecoderLayer(nn.Module):
             # Al-Rfou et al.: a learned absolute embedding added to every layer's input.
             self.pos_emb = nn.Parameter(torch.zeros(config.n_positions, config.d_model))
 
-    def forward(self, h, mem, mask, pos, u, v, **attn_kwargs) -> tuple[Tensor, dict]:
-        out, extras = self.attn(h, mem, mask, pos, u, v, **attn_kwargs)
+    def forward(
+        self,
+        h: Tensor,
+        mem: Tensor | None,
+        mask: Tensor | None,
+        pos: Tensor | None,
+        u: Tensor | None,
+        v: Tensor | None,
+        *,
+        cache: LayerCache | None = None,
+        weights: StepWeights | None = None,
+        return_probs: bool = False,
+    ) -> tuple[Tensor, dict]:
+        """h [B, L, D] -> ([B, L, D], attention extras). One query per row over a cache (a
+        decoding step) takes the attention's one-query form (``RelativeAttention.decode_one``)
+        on rows [B, D]; ``weights`` are then this layer's, laid out for it."""
+        if cache is not None and h.size(1) == 1 and not return_probs:
+            out = self.attn.decode_one(h.view(h.size(0), -1), cache, u, v, weights)
+            return self.ff(out, weights).unsqueeze(1), {}
+        out, extras = self.attn(h, mem, mask, pos, u, v, cache=cache, return_probs=return_probs)
         return self.ff(out), extras
 
 
 class TransformerXL(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = config
+        self._config = config
+        self._lengths = Lengths.of(config)
         c = config
         assert c.d_embed is not None
         self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
@@ -113,72 +125,14 @@ class TransformerXL(nn.Module):
     # -- configuration and lengths --------------------------------------------------------
     @property
     def config(self) -> ModelConfig:
+        """The configuration the model was built with (read-only: other lengths are an
+        argument of the forward, see ``lengths``)."""
         return self._config
 
-    @config.setter
-    def config(self, config: ModelConfig) -> None:
-        """Assigning a config takes effect or fails: never a silent no-op.
-
-        Lengths are read from the config on every forward; dropout rates and the attention
-        kernel are pushed into the modules that hold them; every other field fixes the
-        parameters' shapes or their meaning, and changing it needs a new model.
-        """
-        old = getattr(self, "_config", None)
-        if old is not None:
-            fixed = [
-                f.name
-                for f in dataclasses.fields(config)
-                if f.name not in RUNTIME_FIELDS and getattr(config, f.name) != getattr(old, f.name)
-            ]
-            if fixed:
-                raise ConfigError(
-                    f"{', '.join(fixed)} cannot change on a built model (only "
-                    f"{', '.join(RUNTIME_FIELDS)} can); build a new TransformerXL"
-                )
-        self._config = config
-        for module in self.modules():
-            if isinstance(module, Dropout):
-                module.p = config.dropout
-            elif isinstance(module, RelativeAttention):
-                module.attn_impl, module.dropatt = config.attn_impl, config.dropatt
-
-    def set_lengths(
-        self,
-        *,
-        tgt_len: int | None = None,
-        mem_len: int | None = None,
-        clamp_len: int | None = None,
-        same_length: bool | None = None,
-    ) -> None:
-        """Change the attention lengths for good, e.g. for a model loaded to generate."""
-        changes = {
-            k: val
-            for k, val in dict(
-                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
-            ).items()
-            if val is not None
-        }
-        self.config = self.config.replace(**changes)
-
-    @contextlib.contextmanager
-    def lengths(
-        self,
-        *,
-        tgt_len: int | None = None,
-        mem_len: int | None = None,
-        clamp_len: int | None = None,
-        same_length: bool | None = None,
-    ) -> Iterator[TransformerXL]:
-        """``with model.lengths(mem_len=4 * m):`` other lengths for the block only (e.g. to
-        evaluate with longer memory than training); restored on exit, also on an exception."""
-        saved = self.config
-        try:
-            self.set_lengths(
-                tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
-            )
-            yield self
-        finally:
-            self.config = saved
+    @property
+    def lengths(self) -> Lengths:
+        """The lengths of the built configuration: what a forward uses when given none."""
+        return self._lengths
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -186,12 +140,6 @@ class TransformerXL(nn.Module):
             for p in list(self.embed.parameters()) + list(self.softmax.parameters()):
                 params.pop(id(p), None)
         return sum(p.numel() for p in params.values())
-
-    def generate(self, prompts, **kwargs):
-        """Sample continuations with the cached incremental decoder: ``txlm.generate.generate``."""
-        from txlm.generate import generate  # imported here: txlm.generate imports this module
-
-        return generate(self, prompts, **kwargs)
 
     # -- forward ------------------------------------------------------------------------
     def forward(
@@ -202,10 +150,15 @@ class TransformerXL(nn.Module):
         reset: Tensor | None = None,
         labels: Tensor | None = None,
         mem_mask: Tensor | None = None,
+        lengths: Lengths | None = None,
     ) -> TransformerXLOutput:
+        """``lengths``: the attention lengths of this call (txlm.model.lengths; None: the
+        model's, ``model.lengths``); the memory is trimmed to its ``mem_len``."""
         # Keyword-only past ``mems``: a positional ``model(x, mems, labels)`` would otherwise
         # read the labels as document-start flags without any error.
-        hidden, new_mems, next_mask = self.transform(input_ids, mems, reset, mem_mask)
+        hidden, new_mems, next_mask = self.transform(
+            input_ids, mems, reset, mem_mask, lengths=lengths
+        )
         return self.output(hidden, new_mems, next_mask, labels)
 
     def output(
@@ -234,19 +187,31 @@ class TransformerXL(nn.Module):
         reset: Tensor | None = None,
         mem_mask: Tensor | None = None,
         *,
+        lengths: Lengths | None = None,
         cache: KVCache | None = None,
+        weights: list[StepWeights] | None = None,
         attn_kwargs: dict | None = None,
         extras: list[dict] | None = None,
     ) -> tuple[Tensor, list[Tensor], Tensor | None]:
         """Hidden states [B, L, D], the updated memory and its validity (no output layer).
 
+        ``lengths``: as in ``forward``; with a cache they are the cache's (it was made for
+        them) and none other may be given.
         ``cache`` (inference): the memory's keys and values come from it and this segment's
         go into it (txlm.model.cache); ``mems`` and ``mem_mask`` are then only carried along
         (updated when given, for callers that want the hidden-state memory too).
+        ``weights``: per layer the projections laid out for one-row products, for one-token
+        steps over the cache (txlm.model.layout; None: the parameters as they are).
         ``extras``, when a list, receives each layer's attention extras (see
         RelativeAttention.forward; ``attn_kwargs`` asks for them).
         """
         c = self.config
+        if cache is not None:
+            if lengths is not None and lengths != cache.lengths:
+                raise ValueError(f"lengths {lengths} differ from the cache's {cache.lengths}")
+            lengths = cache.lengths
+        elif lengths is None:
+            lengths = self._lengths
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [B, L], got shape {tuple(input_ids.shape)}")
         qlen = input_ids.size(1)
@@ -265,36 +230,41 @@ class TransformerXL(nn.Module):
 
         pos: Tensor | None = None
         if cache is not None:
-            step = cache.advance(qlen, reset, same_length=c.same_length)
+            step = cache.advance(qlen, reset)
             mask, next_valid = step.mask, None
             if c.attn_type in ("xl", "shaw"):
                 cache.ensure_tables(self.position_table)
         else:
             mask, next_valid = attention_mask(
-                qlen, mlen, mem_len=c.mem_len, same_length=c.same_length,
+                qlen, mlen, mem_len=lengths.mem_len, same_length=lengths.same_length,
                 reset=reset, mem_valid=mem_mask, device=device,
             )  # fmt: skip
             if c.attn_type == "xl":
-                dist = relative_distances(klen, c.clamp_len, device)
+                dist = relative_distances(klen, lengths.clamp_len, device)
                 pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
             elif c.attn_type == "shaw":
-                pos = relative_distances(klen, self._shaw_clamp(), device)
+                pos = relative_distances(klen, self._shaw_clamp(lengths.clamp_len), device)
         u = getattr(self, "u", None)
         v = getattr(self, "v", None)
+        kwargs = attn_kwargs or {}
 
-        hiddens = []
+        hiddens = []  # each layer's input: the next memory (not needed over a cache alone)
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
-            hiddens.append(h)
-            layer_kwargs = dict(attn_kwargs or {})
-            if cache is not None:
-                layer_kwargs["cache"] = LayerCache(cache, step, n)
-            h, layer_extras = layer(
-                h, None if mems is None else mems[n], mask, pos, u, v, **layer_kwargs
-            )
+            if cache is None:
+                hiddens.append(h)
+                h, layer_extras = layer(h, None if mems is None else mems[n], mask, pos, u, v,
+                                        **kwargs)  # fmt: skip
+            else:
+                if mems is not None:
+                    hiddens.append(h)
+                h, layer_extras = layer(
+                    h, None, mask, None, u, v, cache=LayerCache(cache, step, n),
+                    weights=None if weights is None else weights[n], **kwargs,
+                )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
         h = dropout(h, self.drop.p, self.training)
@@ -302,29 +272,30 @@ class TransformerXL(nn.Module):
             if mems is None:  # the cache is the memory; no hidden states to carry
                 return h, [], None
             next_valid = cache.memory_valid() if cache.per_row else None
-        new_mems = update_memory(mems, hiddens, c.mem_len)
+        new_mems = update_memory(mems, hiddens, lengths.mem_len)
         return h, new_mems, next_valid
 
-    def _shaw_clamp(self) -> int:
+    def _shaw_clamp(self, clamp_len: int) -> int:
         """Largest distance with its own learned row ("shaw"): farther ones share the last."""
-        c = self.config
-        return min(c.clamp_len, c.n_positions - 1) if c.clamp_len > 0 else c.n_positions - 1
+        last = self.config.n_positions - 1
+        return min(clamp_len, last) if clamp_len > 0 else last
 
     @torch.no_grad()
-    def position_table(self, span: int) -> list[Tensor]:
-        """Per layer the position keys [H, span, Dh] of distances 0 .. span-1, clamped as the
-        forward clamps them and multiplied by the attention's scale once (so no step scales
-        its queries for them): what a cache of ``span`` slots indexes (txlm.model.cache)."""
+    def position_table(self, span: int, clamp_len: int) -> list[Tensor]:
+        """Per layer the position keys [H, span, Dh] of distances 0 .. span-1, clamped at
+        ``clamp_len`` as the forward clamps them and multiplied by the attention's scale once
+        (so no step scales its queries for them): what a cache of ``span`` slots indexes
+        (txlm.model.cache)."""
         c = self.config
-        weight = self.embed.layers[0].weight  # (a decoder's copy may hold plain tensors)
+        weight = self.embed.layers[0].weight
         device = weight.device
         dist = torch.arange(span, device=device, dtype=torch.float32)
         if c.attn_type == "xl":
-            if c.clamp_len > 0:
-                dist = dist.clamp(max=c.clamp_len)
+            if clamp_len > 0:
+                dist = dist.clamp(max=clamp_len)
             pos = sinusoid(dist, c.d_model).to(weight.dtype)
         else:
-            pos = dist.clamp(max=self._shaw_clamp())
+            pos = dist.clamp(max=self._shaw_clamp(clamp_len))
         return [
             (layer.attn.position_keys(pos) * layer.attn.scale).contiguous() for layer in self.layers
         ]
@@ -332,18 +303,26 @@ class TransformerXL(nn.Module):
     def new_cache(
         self,
         batch: int,
-        max_len: int | None = None,
+        lengths: Lengths | None = None,
         *,
+        max_len: int | None = None,
         dtype: torch.dtype | None = None,
         static: bool = True,
     ) -> KVCache:
-        """An empty cache for ``batch`` rows and segments of up to ``max_len`` (tgt_len),
-        holding keys and values in ``dtype`` (the weights' by default). ``static=False``: for
-        eager decoding, whose one-token steps then skip the mask (see txlm.model.cache)."""
+        """An empty cache for ``batch`` rows read with ``lengths`` (None: the model's) in
+        segments of up to ``max_len`` (their tgt_len), holding keys and values in ``dtype``
+        (the weights' by default). ``static=False``: for eager decoding, whose one-token steps
+        then skip the mask (see txlm.model.cache)."""
         c = self.config
         p = self.embed.layers[0].weight
         return KVCache(
-            c.n_layer, batch, c.n_head, self.layers[0].attn.d_head, mem_len=c.mem_len,
-            max_len=c.tgt_len if max_len is None else max_len, device=p.device,
-            dtype=p.dtype if dtype is None else dtype, static=static,
+            c.n_layer, batch, c.n_head, self.layers[0].attn.d_head,
+            lengths=self._lengths if lengths is None else lengths, max_len=max_len,
+            device=p.device, dtype=p.dtype if dtype is None else dtype, static=static,
         )  # fmt: skip
+
+    def step_weights(self, dtype: torch.dtype | None = None) -> list[StepWeights]:
+        """Per layer the projections laid out for one-token steps (txlm.model.layout), in
+        ``dtype`` (the weights' by default): a decoder makes them once."""
+        dtype = self.embed.layers[0].weight.dtype if dtype is None else dtype
+        return [StepWeights.of(layer, dtype) for layer in self.layers]

@@ -1,0 +1,321 @@
+"""Decoders: a model's next-token distributions over a growing context, one step at a time.
+
+Dimension legend
+    B  rows (prompts x samples)     P  padded prompt length       L  segment length
+    M  memory length (<= mem_len)   S  cache slots (mem_len + L; mem_len + 1 to decode)
+    N  layers   D  model dim   V  vocabulary
+
+Procedure (Appendix E): the context is read in segments of ``tgt_len`` with memory carried
+from segment to segment, so the memory holds the newest ``mem_len`` states of every layer;
+the last context token's distribution gives the first new token; then every new token is fed
+as a one-token segment that attends to the memory plus itself.
+
+Why a cache. Transformer-XL's memory stores each layer's *input* hidden states; a forward pass
+re-projects all M of them to keys and values, O(M D^2) per layer and token. The projections
+never change once made (inference: no dropout, fixed weights), so ``CachedDecoder`` keeps them
+in the model's ``KVCache`` (txlm.model.cache) and runs the model's own ``transform`` over it:
+a step projects one token and attends over the cached slots (the layers' one-query form,
+``DecoderLayer``), and the context segments fill the same cache, so no memory state is ever
+projected twice. ``UncachedDecoder`` is the reference: the model's forward with the hidden-
+state memory, re-projected every step.
+
+Segmentation of the context is aligned to its END (the last segment is full, the first holds
+the remainder). Two reasons: the token that predicts the first new word sees the most context,
+and prompts of different lengths, left-padded to a common length, are then split at the same
+places as each would be alone. Pad positions are hidden from real tokens with the model's
+document mask (each row's first real token starts a document), so every row of a batch equals
+running it alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from txlm.errors import ConfigError
+from txlm.head import DecodingHead
+from txlm.model.cache import KVCache
+from txlm.model.lengths import Lengths
+from txlm.model.transformer import TransformerXL
+
+
+def check_ids(rows: list[list[int]], vocab_size: int) -> None:
+    for r in rows:
+        bad = [x for x in r if not 0 <= x < vocab_size]
+        if bad:
+            raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+def inference_call(
+    model: TransformerXL, fn: Callable[[], Tensor], mode: type = torch.inference_mode
+) -> Tensor:
+    """``fn()`` in inference mode (no autograd bookkeeping: version counters, views, which
+    a few hundred small operations a step would feel) with the model in eval mode (dropout
+    off: the cache is exact only for a deterministic forward), the model back in its mode
+    after it; the result copied out, an ordinary tensor. Nothing stays changed between calls.
+    ``mode``: ``torch.no_grad`` for state that callers may use in autograd later."""
+    was_training = model.training
+    if was_training:
+        model.eval()
+    try:
+        with mode():
+            out = fn()
+    finally:
+        if was_training:
+            model.train()
+    return out.clone()
+
+
+class _Reader:
+    """Shared by the decoders: reading the prompts in end-aligned segments."""
+
+    def __init__(self, model: TransformerXL, lengths: Lengths | None) -> None:
+        self.model = model
+        self.lengths = model.lengths if lengths is None else lengths
+        p = model.embed.layers[0].weight
+        self.device, self.weight_dtype = p.device, p.dtype
+        self.batch = 0
+
+    def _begin(self, batch: int) -> None:
+        raise NotImplementedError
+
+    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+        """Read one context segment; hidden states [B, L, D]."""
+        raise NotImplementedError
+
+    def _read(self, prompts: Sequence[Sequence[int]], start_id: int | None) -> Tensor:
+        """Read the prompts; the last position's output [B, D]."""
+        rows = [list(r) for r in prompts]
+        if not rows:
+            raise ConfigError("no prompts given")
+        if any(not r for r in rows):
+            if start_id is None:
+                raise ConfigError("an empty prompt needs a start token (start_id)")
+            rows = [r if r else [int(start_id)] for r in rows]
+        check_ids(rows, self.model.config.vocab_size)
+        batch, width = len(rows), max(len(r) for r in rows)
+        self.batch = batch
+        ids = torch.zeros(batch, width, dtype=torch.long)
+        starts = torch.zeros(batch, width, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            ids[b, width - len(r) :] = torch.tensor(r, dtype=torch.long)
+            starts[b, width - len(r)] = True
+        ids, starts = ids.to(self.device), starts.to(self.device)
+        padded = any(len(r) < width for r in rows)
+
+        self._begin(batch)
+        hidden = None
+        for lo, hi in self._segments(width):
+            hidden = self._segment(ids[:, lo:hi], starts[:, lo:hi] if padded else None)
+        assert hidden is not None
+        return hidden[:, -1]
+
+    def _segments(self, width: int) -> list[tuple[int, int]]:
+        """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
+        tgt = self.lengths.tgt_len
+        first = width % tgt or tgt
+        bounds = [(0, first)]
+        while bounds[-1][1] < width:
+            lo = bounds[-1][1]
+            bounds.append((lo, lo + tgt))
+        return bounds
+
+
+class UncachedDecoder(_Reader):
+    """Reference decoder: every step is the model's forward with the hidden-state memory,
+    which the model re-projects to keys and values each time (how Transformer-XL's forward
+    works). The same methods as ``CachedDecoder``."""
+
+    def __init__(self, model: TransformerXL, *, lengths: Lengths | None = None) -> None:
+        super().__init__(model, lengths)
+
+    def _begin(self, batch: int) -> None:
+        self.mems: list[Tensor] | None = None
+        self.mem_mask: Tensor | None = None
+
+    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+        hidden, self.mems, self.mem_mask = self.model.transform(
+            ids, self.mems, reset, self.mem_mask, lengths=self.lengths
+        )
+        return hidden
+
+    def _call(self, fn: Callable[[], Tensor]) -> Tensor:
+        return inference_call(self.model, fn, torch.no_grad)  # its memory: ordinary tensors
+
+    def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
+        return self._call(lambda: self.model.softmax.log_prob(self._read(prompts, start_id)))
+
+    prefill_scores = prefill
+
+    def step(self, ids: Tensor) -> Tensor:
+        def run() -> Tensor:
+            hidden = self._segment(ids.view(-1, 1).to(self.device), None)
+            return self.model.softmax.log_prob(hidden[:, -1])
+
+        return self._call(run)
+
+    step_scores = step
+
+
+class CachedDecoder(_Reader):
+    """Incremental decoder over a ``KVCache``, eager or compiled/graphed.
+
+    ``prefill(prompts)`` reads the prompts in segments of up to tgt_len through a cache of
+    mem_len + tgt_len slots (the modules' segment form); then the cache is narrowed to
+    mem_len + 1 slots and every new token is a one-token step over it (``step_fn``: the
+    layers' one-query form on weights laid out once for one-row products, see
+    txlm.model.layout, and the output layer's ``DecodingHead``).
+
+    Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
+    so a step that needs no mask skips it. ``compile``: the step under
+    ``torch.compile(fullgraph=True, dynamic=False)`` (a string names the backend, e.g.
+    "aot_eager"); ``cuda_graph`` (the default on CUDA): the step captured in a CUDA graph and
+    replayed per token. Both need the static cache: the same shapes and operations every
+    step, no host synchronisation.
+
+    ``dtype``: the weight products' dtype, fixed here: autocast's when it is on for the
+    model's device as the decoder is made (and the weights are float32), else the weights'.
+    A half-precision decoder holds its own copies of the layers' projections and the output
+    layer in that dtype (made once; the model is not copied or changed); on a CPU its cache
+    and the one-query attention stay float32 (half-precision matrix-vector products are
+    slower there). The model runs in eval mode during each call and returns to its mode.
+    """
+
+    def __init__(
+        self,
+        model: TransformerXL,
+        *,
+        lengths: Lengths | None = None,
+        compile: bool | str = False,
+        cuda_graph: bool | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__(model, lengths)
+        if dtype is None:
+            dtype = self.weight_dtype
+            device = self.device.type
+            if dtype == torch.float32 and torch.is_autocast_enabled(device):
+                dtype = torch.get_autocast_dtype(device)
+        self.dtype = dtype
+        half = dtype in (torch.float16, torch.bfloat16)
+        cpu_half = half and self.device.type == "cpu" and self.weight_dtype == torch.float32
+        self.cache_dtype = torch.float32 if cpu_half else dtype
+        self.compile = compile
+        # A compiled step is captured too: inductor's own graphs ("reduce-overhead") refuse a
+        # step that writes into the cache it is given, while a manual capture of the compiled
+        # step replays its fused kernels as one launch.
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        self.static = bool(compile) or self.cuda_graph
+        with torch.no_grad():
+            self.weights = model.step_weights(dtype)
+            self.head = DecodingHead(model.softmax, dtype)
+        self.cache: KVCache | None = None  # made per prefill
+        self._step: Callable[[Tensor], Tensor] | None = None
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The prompt's segments run the modules: under autocast in the decoder's dtype when
+        it differs from the weights', else with autocast off (whatever the caller's)."""
+        device = self.device.type
+        if self.dtype != self.weight_dtype:
+            return torch.autocast(device, dtype=self.dtype)
+        return torch.autocast(device, enabled=False)
+
+    def _begin(self, batch: int) -> None:
+        self.cache = self.model.new_cache(
+            batch, self.lengths, dtype=self.cache_dtype, static=self.static
+        )
+        self._step = None
+
+    def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
+        with self._autocast():
+            hidden, _, _ = self.model.transform(ids, None, reset, None, cache=self.cache)
+        return hidden
+
+    def _call(self, fn: Callable[[], Tensor]) -> Tensor:
+        return inference_call(self.model, fn)  # the cache is only ever written in this mode
+
+    # -- the prompt ---------------------------------------------------------------------
+    def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
+        """Read the prompts (left-padded, end-aligned segments); [B, V] next-token log-probs."""
+        return self._call(lambda: self.head.log_probs(self._read(prompts, start_id)))
+
+    def prefill_scores(
+        self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None
+    ) -> Tensor:
+        """As ``prefill`` but sampling scores: log-probabilities up to a constant per row."""
+        return self._call(lambda: self.head.scores(self._read(prompts, start_id)))
+
+    # -- one token ----------------------------------------------------------------------
+    def step_fn(self, ids: Tensor) -> Tensor:
+        """One decoding step, ids [B] -> sampling scores [B, V]: the function that is
+        compiled or captured. Static shapes, no host synchronisation (static cache)."""
+        hidden, _, _ = self.model.transform(ids.view(-1, 1), cache=self.cache, weights=self.weights)
+        return self.head.scores(hidden[:, -1])
+
+    def step_scores(self, ids: Tensor) -> Tensor:
+        """Feed one token per row ([B] ids); sampling scores [B, V] of the next one."""
+        return self._call(lambda: self._stepper()(ids.view(-1).to(self.device)))
+
+    def step(self, ids: Tensor) -> Tensor:
+        """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
+        return self.head.normalise(self.step_scores(ids))
+
+    def _stepper(self) -> Callable[[Tensor], Tensor]:
+        """The step to call: plain, compiled, or replayed from a CUDA graph. After the prompt
+        the cache of one-token steps has mem_len + 1 slots."""
+        assert self.cache is not None, "prefill first"
+        if self.cache.max_len != 1:
+            self.cache = self.cache.resized(1)
+            self._step = None
+        if self._step is None:
+            fn: Callable[[Tensor], Tensor] = self._autocast_off(self.step_fn)
+            if self.compile:  # True: inductor; a string names another backend
+                backend = self.compile if isinstance(self.compile, str) else "inductor"
+                fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+            if self.cuda_graph:
+                fn = GraphedStep(fn)
+            self._step = fn
+        return self._step
+
+    def _autocast_off(self, fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        """The one-token step casts explicitly (its weights are in the decoder's dtype):
+        autocast off, whatever the caller's."""
+        device = self.device.type
+
+        def run(ids: Tensor) -> Tensor:
+            with torch.autocast(device, enabled=False):
+                return fn(ids)
+
+        return run
+
+
+class GraphedStep:
+    """A decoding step captured in a CUDA graph on its second call and replayed after: one
+    launch per token instead of one per operation. The first call runs eagerly (it warms up
+    the kernels and, being a real step, leaves the cache as it should be); capturing records
+    without running, so the capturing call then replays once. Inputs go through a static
+    buffer; the output is the graph's own buffer, overwritten by the next replay. One graph
+    per decoder, so per batch size."""
+
+    def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
+        self.fn = fn
+        self.calls = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return self.fn(ids)
+        if self.graph is None:
+            self.ids = ids.clone()
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.fn(self.ids)
+        else:
+            self.ids.copy_(ids)
+        self.graph.replay()
+        return self.out

@@ -1,0 +1,127 @@
+"""Drawing the next token from a distribution: the paper's top-k (Appendix E), top-p,
+temperature and greedy decoding, on the device.
+
+Dimension legend
+    B  rows     V  vocabulary     k  candidates kept by top-k
+
+Every function here is device work only: no value is read back to the host, so a draw can
+follow a decoding step inside one captured graph. A draw is an exponential race (``draw``:
+argmax p_i / E_i, what ``torch.multinomial`` computes for one sample), so the same generator
+state gives the same token whichever of these functions computed the probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from txlm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is drawn from a distribution.
+
+    ``top_k``: keep the k most likely tokens (None: all). ``top_p``: then keep the smallest set
+    of most likely tokens whose mass reaches p (nucleus sampling; None or 1.0: all).
+    ``temperature`` divides the log-probabilities first. ``greedy`` takes the argmax and
+    ignores the rest. The kept mass is renormalised before drawing.
+    """
+
+    top_k: int | None = 40
+    top_p: float | None = None
+    temperature: float = 1.0
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        k, p, t = self.top_k, self.top_p, self.temperature
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
+            raise ConfigError(f"top-k must be an integer >= 1, got {k!r}")
+        if p is not None and (not isinstance(p, int | float) or not 0.0 < p <= 1.0):
+            raise ConfigError(f"top-p must be in (0, 1], got {p!r}")
+        if not self.greedy and (not isinstance(t, int | float) or not t > 0.0 or math.isinf(t)):
+            raise ConfigError(
+                f"temperature must be a positive number (or use greedy decoding), got {t!r}"
+            )
+
+
+def filter_log_probs(log_probs: Tensor, config: SamplingConfig) -> Tensor:
+    """[B, V] log-probabilities -> [B, V] scores with the excluded tokens at -inf.
+
+    The result is unnormalised; softmax of it is the renormalised sampling distribution.
+    """
+    scores = log_probs.float() / config.temperature
+    vocab = scores.size(-1)
+    if config.top_k is not None and config.top_k < vocab:
+        # exactly the k largest (a tie at the k-th score is broken by ``topk``'s order: a
+        # rule that needs no look at the values on the host)
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep.scatter_(-1, scores.topk(config.top_k, dim=-1).indices, True)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if config.top_p is not None and config.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Mass strictly before each token: a token is kept while the mass before it is < p,
+        # so the most likely token always stays and the kept set's mass is >= p.
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= config.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores
+
+
+def sample(
+    scores: Tensor, config: SamplingConfig, generator: torch.Generator | None = None
+) -> Tensor:
+    """Draw one token per row: [B, V] scores -> [B] ids.
+
+    ``scores`` are log-probabilities or raw logits: only their differences within a row
+    matter (the kept mass is renormalised), so the decoder can skip the log-softmax.
+    """
+    if config.greedy:
+        return scores.argmax(dim=-1)
+    top = top_k_candidates(scores, config)
+    if top is not None:
+        probs, ids = top
+        return ids.gather(1, draw(probs, generator)).squeeze(1)
+    probs = filter_log_probs(scores, config).softmax(dim=-1)
+    return draw(probs, generator).squeeze(1)
+
+
+def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Tensor] | None:
+    """[B, V] scores -> (probabilities [B, k], their token ids [B, k]), or None.
+
+    The distribution of ``filter_log_probs`` restricted to the k tokens it keeps: one
+    ``topk`` and a softmax over k values instead of masking and normalising the whole
+    vocabulary, and a draw over k candidates (an exponential per candidate, see ``draw``).
+    None when there is no top-k cut. Device work only: no value is read on the host.
+    """
+    k, vocab = config.top_k, scores.size(-1)
+    if k is None or k >= vocab:
+        return None
+    vals, ids = upcast(scores).topk(k, dim=-1)  # [B, k], largest first
+    kept = vals / config.temperature
+    if config.top_p is not None and config.top_p < 1.0:
+        probs = kept.softmax(dim=-1)  # already sorted: the nucleus rule of filter_log_probs
+        before = probs.cumsum(dim=-1) - probs
+        kept = kept.masked_fill(before >= config.top_p, float("-inf"))
+    return kept.softmax(dim=-1), ids
+
+
+def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of [B, k] probabilities -> [B, 1]: ``torch.multinomial(probs, 1)``
+    without its input checks (a dozen small operations; softmax output needs none).
+
+    It is the same computation (ATen draws a single sample as argmax p_i / E_i with E_i
+    exponential, one per candidate), so the same generator state gives the same index.
+    """
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1, keepdim=True)
+
+
+def upcast(x: Tensor) -> Tensor:
+    """Half-precision scores are compared and normalised in float32; others stay."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
