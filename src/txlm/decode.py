@@ -210,7 +210,7 @@ class CachedDecoder(_Reader):
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.static = bool(compile) or self.cuda_graph
         with torch.no_grad():
-            self.weights = model.step_weights(dtype)
+            self.weights = model.step_weights(dtype, self.cache_dtype)
             self.head = DecodingHead(model.softmax, dtype)
         self.cache: KVCache | None = None  # made per prefill
         self._step: Callable[[Tensor], Tensor] | None = None
@@ -286,6 +286,8 @@ class CachedDecoder(_Reader):
         device = self.device.type
 
         def run(ids: Tensor) -> Tensor:
+            if not torch.is_autocast_enabled(device):  # (entering the context costs a step)
+                return fn(ids)
             with torch.autocast(device, enabled=False):
                 return fn(ids)
 

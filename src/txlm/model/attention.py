@@ -261,12 +261,7 @@ class RelativeAttention(nn.Module):
         # functional calls: the same as the modules', without a module call per use
         out = F.linear(attn.transpose(1, 2).flatten(2), self.out.weight)
         out = dropout(out, self.drop.p, self.training)
-        return self._residual(h, out), extras
-
-    def _residual(self, h: Tensor, out: Tensor) -> Tensor:
-        """The residual connection and LayerNorm: after the sum (post-LN), or none here
-        (pre-LN normalised the input)."""
-        return h + out if self.pre_lnorm else layer_norm(self.norm, h + out)
+        return h + out if self.pre_lnorm else layer_norm(norm, h + out), extras
 
     def _position_biases(
         self, u: Tensor | None, v: Tensor | None
@@ -280,14 +275,7 @@ class RelativeAttention(nn.Module):
         return u, v
 
     # -- one query ----------------------------------------------------------------------
-    def decode_one(
-        self,
-        h: Tensor,
-        cache: LayerCache,
-        u: Tensor | None,
-        v: Tensor | None,
-        weights: StepWeights | None = None,
-    ) -> Tensor:
+    def decode_one(self, h: Tensor, cache: LayerCache, w: StepWeights) -> Tensor:
         """``forward`` for one query per row over the cache: h [B, D] -> [B, D].
 
         The same terms as ``forward`` laid out for L = 1: scores over the W slots the query
@@ -296,28 +284,25 @@ class RelativeAttention(nn.Module):
         with the scale as alpha, and every product is a matrix-vector one (no fused SDPA
         kernel: for one query its blocked kernel costs more than two such products). The
         position term comes per slot (an eager step's ring table) or per distance, then
-        gathered by the step's index (a static step); the mask is the step's. ``weights``:
-        the projections laid out for one-row products (txlm.model.layout), in their own
+        gathered by the step's index (a static step); the mask is the step's. ``w``: this
+        layer's weights laid out for one-row products (txlm.model.layout), in their own
         dtype: inputs are cast to it and results back (a bf16 decoder over a float32 cache).
         Inference only (no dropout).
         """
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
-        act = h.dtype
-        qkv_t = self.qkv.weight.t() if weights is None else weights.qkv_t
-        out_t = self.out.weight.t() if weights is None else weights.out_t
-        x = layer_norm(self.norm, h) if self.pre_lnorm else h
-        qkv = _as(torch.mm(_as(x, qkv_t.dtype), qkv_t), act)  # [B, 3 I]
+        act, dim = h.dtype, (h.size(-1),)
+        x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
+        qkv = _as(torch.mm(_as(x, w.qkv_t.dtype), w.qkv_t), act)  # [B, 3 I]
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
         q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
-        u, v = self._position_biases(u, v)
-        qc = (q if u is None else q + u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
+        qc = (q if w.u is None else q + w.u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
         step, width = cache.step, keys.size(1)
         rk = cache.table  # [H, W, Dh] in slot order, or [H, S, Dh] per distance; scaled
         if rk is None:  # absolute encodings: content only
             scores = torch.bmm(qc, keys.transpose(1, 2)).mul_(self.scale)
         else:
-            qp = (q if v is None else q + v).transpose(0, 1)  # [H, B, Dh]
+            qp = (q if w.v is None else q + w.v).transpose(0, 1)  # [H, B, Dh]
             pos = torch.bmm(qp, rk.transpose(1, 2)).transpose(0, 1)  # [B, H, W or S]
             if step.index is not None:  # per distance -> per slot
                 pos = pos.index_select(-1, step.index[0])
@@ -334,8 +319,8 @@ class RelativeAttention(nn.Module):
         else:  # half precision is normalised in float32
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         attn = _as(torch.bmm(probs, values).view(batch, inner), act)
-        out = _as(torch.mm(_as(attn, out_t.dtype), out_t), act)
-        return self._residual(h, out)
+        out = _as(torch.mm(_as(attn, w.out_t.dtype), w.out_t), act)
+        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *w.norm1)
 
     def _project(
         self, x: Tensor, mem: Tensor | None, cache: LayerCache | None
@@ -392,19 +377,21 @@ class PositionwiseFF(nn.Module):
         """h [..., D] -> [..., D]. ``weights``: the two layers laid out for one-row products
         (a decoding step, txlm.model.layout), in their own dtype: the input is cast to it and
         the result back."""
-        norm = self.norm
-        x = layer_norm(norm, h) if self.pre_lnorm else h
-        p, training = self.drop.p, self.training
+        if weights is None:  # addmm(b, x, W^T) is what F.linear runs for a 2-D input
+            fc1, fc2, n = self.fc1, self.fc2, self.norm
+            w1, b1, w2, b2 = fc1.weight.t(), fc1.bias, fc2.weight.t(), fc2.bias
+            norm, p, training = (n.weight, n.bias, n.eps), self.drop.p, self.training
+        else:  # a decoding step: inference, no dropout
+            w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
+            norm, p, training = weights.norm2, 0.0, False
+        dim = (h.size(-1),)
+        x = torch.layer_norm(h, dim, *norm) if self.pre_lnorm else h
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
-        x = x.reshape(-1, x.size(-1))
-        if weights is None:  # addmm(b, x, W^T) is what F.linear runs for a 2-D input
-            w1, b1, w2, b2 = self.fc1.weight.t(), self.fc1.bias, self.fc2.weight.t(), self.fc2.bias
-        else:
-            w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
+        x = x.reshape(-1, dim[0])
         out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
         out = torch.addmm(b2, dropout(out, p, training), w2)
-        if weights is not None:
+        if weights is not None:  # back to the residual stream's dtype
             out = _as(out, h.dtype)
         out = dropout(out.view(h.shape), p, training)
-        return h + out if self.pre_lnorm else layer_norm(norm, h + out)
+        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *norm)

@@ -137,6 +137,7 @@ class KVCache:
         self.tables: list[Tensor] | None = None
         self.ring_tables: list[Tensor] = []  # eager caches: see ensure_tables
         self.written = 0  # eager caches: next_pos on the host (a static step never reads it)
+        self._stale = False  # eager caches: pos / next_pos lag ``written`` (see _sync)
         self._slot_ids = torch.arange(self.slots, device=device)
 
     @property
@@ -191,9 +192,11 @@ class KVCache:
             t = self.written
             self.written += qlen
             if unmasked:
+                # pos / next_pos follow from ``written`` (position p sits in slot p mod S):
+                # brought up to date only when something reads them (``_sync``), so an
+                # unmasked step writes no bookkeeping to the device
                 slot = t % self.slots
-                self.pos[slot] = t
-                self.next_pos.add_(1)
+                self._stale = True
                 width = min(t + 1, self.slots)
                 # same_length: the query sees the M newest positions, itself included
                 hidden = (
@@ -203,6 +206,7 @@ class KVCache:
                     self._slot_ids.narrow(0, slot, 1), None, None, width, self.slots - 1 - slot,
                     hidden,
                 )  # fmt: skip
+        self._sync()
         device = self.pos.device
         qpos = self.next_pos + torch.arange(qlen, device=device)  # [L]
         slots = qpos % self.slots
@@ -227,6 +231,18 @@ class KVCache:
         mask.masked_fill_(~visible, float("-inf"))
         return CacheStep(slots, mask, dist.clamp(0, self.slots - 1), self.slots)
 
+    def _sync(self) -> None:
+        """Bring the device's pos / next_pos up to ``written`` after unmasked eager steps:
+        slot s holds the newest position p < written with p = s mod S (none: empty)."""
+        if not self._stale:
+            return
+        self._stale = False
+        end = self.written
+        with torch.inference_mode():  # (the decoder's cache is an inference tensor)
+            last = end - 1 - (end - 1 - self._slot_ids) % self.slots  # [S]
+            self.pos.copy_(torch.where(last >= 0, last, torch.full_like(last, _EMPTY)))
+            self.next_pos.fill_(end)
+
     def write(self, layer: int, step: CacheStep, kv: Tensor) -> tuple[Tensor, Tensor]:
         """Store this segment's keys and values ``kv`` [2, B, H, L, Dh]; returns the keys and
         values of all S slots, [B, H, S, Dh] each."""
@@ -240,10 +256,12 @@ class KVCache:
     def length(self) -> int:
         """Positions in the memory now, M' = min(written, mem_len). Reads the device: not for
         use inside a step."""
+        self._sync()
         return min(int(self.next_pos), self.mem_len)
 
     def _memory_slots(self) -> Tensor:
         """[M'] the memory's slots, oldest first."""
+        self._sync()
         end = int(self.next_pos)
         return torch.arange(end - self.length, end, device=self.pos.device) % self.slots
 
@@ -272,6 +290,7 @@ class KVCache:
             n_layer, batch, n_head, d_head, lengths=self.lengths, max_len=max_len,
             device=self.kv.device, dtype=self.kv.dtype, static=self.static,
         )  # fmt: skip
+        self._sync()
         end = int(self.next_pos)
         new.written = end
         src = torch.arange(end - self.length, end, device=self.pos.device)

@@ -59,19 +59,17 @@ class DecoderLayer(nn.Module):
         pos: Tensor | None,
         u: Tensor | None,
         v: Tensor | None,
-        *,
-        cache: LayerCache | None = None,
-        weights: StepWeights | None = None,
-        return_probs: bool = False,
+        **attn_kwargs,
     ) -> tuple[Tensor, dict]:
-        """h [B, L, D] -> ([B, L, D], attention extras). One query per row over a cache (a
-        decoding step) takes the attention's one-query form (``RelativeAttention.decode_one``)
-        on rows [B, D]; ``weights`` are then this layer's, laid out for it."""
-        if cache is not None and h.size(1) == 1 and not return_probs:
-            out = self.attn.decode_one(h.view(h.size(0), -1), cache, u, v, weights)
-            return self.ff(out, weights).unsqueeze(1), {}
-        out, extras = self.attn(h, mem, mask, pos, u, v, cache=cache, return_probs=return_probs)
+        """h [B, L, D] -> ([B, L, D], attention extras)."""
+        out, extras = self.attn(h, mem, mask, pos, u, v, **attn_kwargs)
         return self.ff(out), extras
+
+    def decode_one(self, h: Tensor, cache: LayerCache, weights: StepWeights) -> Tensor:
+        """One query per row over the cache (a decoding step): rows h [B, D] -> [B, D], the
+        attention's one-query form and the feed-forward on ``weights``, this layer's laid
+        out for one-row products (txlm.model.layout). Inference only."""
+        return self.ff.forward(self.attn.decode_one(h, cache, weights), weights)
 
 
 class TransformerXL(nn.Module):
@@ -251,22 +249,29 @@ class TransformerXL(nn.Module):
         hiddens = []  # each layer's input: the next memory (not needed over a cache alone)
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
+        # one query per row over the cache (a decoding step): the layers' one-query form, on
+        # rows [B, D]
+        one = cache is not None and qlen == 1 and mems is None and not kwargs
+        if one:
+            h = h.view(h.size(0), -1)
+            if weights is None:  # a one-off step: views of the parameters
+                weights = self.step_weights(attn_dtype=cache.kv.dtype, copy=False)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
-            if cache is None:
-                hiddens.append(h)
-                h, layer_extras = layer(h, None if mems is None else mems[n], mask, pos, u, v,
-                                        **kwargs)  # fmt: skip
-            else:
-                if mems is not None:
-                    hiddens.append(h)
-                h, layer_extras = layer(
-                    h, None, mask, None, u, v, cache=LayerCache(cache, step, n),
-                    weights=None if weights is None else weights[n], **kwargs,
-                )  # fmt: skip
+            if one:
+                h = layer.decode_one(h, LayerCache(cache, step, n), weights[n])
+                continue
+            hiddens.append(h)
+            layer_cache = None if cache is None else LayerCache(cache, step, n)
+            h, layer_extras = layer(
+                h, None if mems is None else mems[n], mask, pos, u, v, cache=layer_cache,
+                **kwargs,
+            )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
+        if one:
+            h = h.unsqueeze(1)
         h = dropout(h, self.drop.p, self.training)
         if cache is not None:
             if mems is None:  # the cache is the memory; no hidden states to carry
@@ -321,8 +326,19 @@ class TransformerXL(nn.Module):
             device=p.device, dtype=p.dtype if dtype is None else dtype, static=static,
         )  # fmt: skip
 
-    def step_weights(self, dtype: torch.dtype | None = None) -> list[StepWeights]:
-        """Per layer the projections laid out for one-token steps (txlm.model.layout), in
-        ``dtype`` (the weights' by default): a decoder makes them once."""
-        dtype = self.embed.layers[0].weight.dtype if dtype is None else dtype
-        return [StepWeights.of(layer, dtype) for layer in self.layers]
+    @torch.no_grad()
+    def step_weights(
+        self,
+        dtype: torch.dtype | None = None,
+        attn_dtype: torch.dtype | None = None,
+        *,
+        copy: bool = True,
+    ) -> list[StepWeights]:
+        """Per layer what a one-token step reads (txlm.model.layout), its products in
+        ``dtype`` and its attention in ``attn_dtype`` (the weights' by default): a decoder
+        makes them once (``copy=False``: views of the parameters as they are)."""
+        u, v = getattr(self, "u", None), getattr(self, "v", None)
+        return [
+            StepWeights.of(layer, u, v, dtype=dtype, attn_dtype=attn_dtype, copy=copy)
+            for layer in self.layers
+        ]
