@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-
 # Above this many elements a one-row product on a CPU streams the weight as fast from either
 # layout (10000 x 256: ~360 us both ways; 2100 x 410: ~115 us), and a copy would only cost
 # the decoder's set-up time; below it the contiguous [in, out] copy is ~1.4-2x faster
