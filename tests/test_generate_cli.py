@@ -138,9 +138,9 @@ def test_subprocess_generate_streams_seeded_text(char_ckpt) -> None:
     first = _cli(*argv, "--seed", "5")
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("ROMEO:")
-    assert len(first.stdout) == len("ROMEO:") + 30 + 1  # 30 characters and a newline
     again = _cli(*argv, "--seed", "5", "--json")
     result = json.loads(again.stdout)
+    assert len(result["sample_ids"][0]) == 30  # 30 tokens (a random model may draw <unk>)
     assert first.stdout == "ROMEO:" + result["samples"][0] + "\n"  # same seed, same text
     model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
     [ids] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)

@@ -40,6 +40,7 @@ from txlm.head import DecodingHead
 from txlm.model.cache import KVCache
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
+from txlm.sampling import SamplingConfig, sample
 
 
 def check_ids(rows: list[list[int]], vocab_size: int) -> None:
@@ -112,6 +113,24 @@ class _Reader:
             hidden = self._segment(ids[:, lo:hi], starts[:, lo:hi] if padded else None)
         assert hidden is not None
         return hidden[:, -1]
+
+    # what the generation loop calls: the next token per row, drawn on the device
+    def prefill_tokens(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+        *,
+        start_id: int | None = None,
+    ) -> Tensor:
+        """Read the prompts; the first new token per row [B], drawn with ``sampling``."""
+        return sample(self.prefill_scores(prompts, start_id=start_id), sampling, generator)
+
+    def step_tokens(
+        self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Feed one token per row ([B] ids); the next token per row [B]."""
+        return sample(self.step_scores(ids), sampling, generator)
 
     def _segments(self, width: int) -> list[tuple[int, int]]:
         """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
@@ -252,8 +271,39 @@ class CachedDecoder(_Reader):
     def step_fn(self, ids: Tensor) -> Tensor:
         """One decoding step, ids [B] -> sampling scores [B, V]: the function that is
         compiled or captured. Static shapes, no host synchronisation (static cache)."""
+        return self.head.scores(self.hidden_step(ids))
+
+    def hidden_step(self, ids: Tensor) -> Tensor:
+        """ids [B] -> the last layer's output [B, D] for them, over the cache."""
         hidden, _, _ = self.model.transform(ids.view(-1, 1), cache=self.cache, weights=self.weights)
-        return self.head.scores(hidden[:, -1])
+        return hidden[:, -1]
+
+    # -- pruned draws (txlm.head): eager CPU decoders, where the branch costs nothing ----
+    def _prunes(self, sampling: SamplingConfig) -> bool:
+        return not self.static and self.device.type == "cpu" and self.head.prunes(sampling)
+
+    def prefill_tokens(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+        *,
+        start_id: int | None = None,
+    ) -> Tensor:
+        if not self._prunes(sampling):
+            return super().prefill_tokens(prompts, sampling, generator, start_id=start_id)
+        return self._call(
+            lambda: self.head.select(self._read(prompts, start_id), sampling, generator)
+        )
+
+    def step_tokens(
+        self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+    ) -> Tensor:
+        if not self._prunes(sampling):
+            return super().step_tokens(ids, sampling, generator)
+        step = self._stepper(self.hidden_step)
+        ids = ids.view(-1).to(self.device)
+        return self._call(lambda: self.head.select(step(ids), sampling, generator))
 
     def step_scores(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); sampling scores [B, V] of the next one."""
@@ -263,13 +313,18 @@ class CachedDecoder(_Reader):
         """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
         return self.head.normalise(self.step_scores(ids))
 
-    def _stepper(self) -> Callable[[Tensor], Tensor]:
-        """The step to call: plain, compiled, or replayed from a CUDA graph. After the prompt
-        the cache of one-token steps has mem_len + 1 slots."""
+    def _stepper(
+        self, eager: Callable[[Tensor], Tensor] | None = None
+    ) -> Callable[[Tensor], Tensor]:
+        """The step to call: plain, compiled, or replayed from a CUDA graph (``eager``: that
+        function, run as it is). After the prompt the cache of one-token steps has
+        mem_len + 1 slots."""
         assert self.cache is not None, "prefill first"
         if self.cache.max_len != 1:
             self.cache = self.cache.resized(1)
             self._step = None
+        if eager is not None:
+            return self._autocast_off(eager)
         if self._step is None:
             fn: Callable[[Tensor], Tensor] = self._autocast_off(self.step_fn)
             if self.compile:  # True: inductor; a string names another backend

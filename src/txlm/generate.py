@@ -25,7 +25,7 @@ from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.errors import ConfigError
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
-from txlm.sampling import SamplingConfig, sample
+from txlm.sampling import SamplingConfig
 
 PromptLike = Sequence[int] | Tensor
 
@@ -108,19 +108,20 @@ def stream(
             generator.manual_seed(seed)
     if max_new_tokens == 0:
         return
-    scores = decoder.prefill_scores(rows, start_id=start_id)
+    tokens = decoder.prefill_tokens(rows, sampling, generator, start_id=start_id)
     finished = torch.zeros(len(rows), dtype=torch.bool, device=decoder.device)
     for t in range(max_new_tokens):
-        tokens = sample(scores, sampling, generator)
         if stop_id is not None:
             tokens = tokens.masked_fill(finished, stop_id)
             finished |= tokens == stop_id
+        upcoming = None
         if t + 1 < max_new_tokens:  # queued on the device before the host waits below
-            scores = decoder.step_scores(tokens)
+            upcoming = decoder.step_tokens(tokens, sampling, generator)
         host = tokens.cpu()  # the one host synchronisation per token
         yield host
         if stop_id is not None and bool((host == stop_id).all()):
             return
+        tokens = upcoming
 
 
 def generate(

@@ -10,6 +10,21 @@ log-softmax. Laid out for one-row products (txlm.model.layout: W^T [in, out], co
 CPU) in the decoder's dtype, with the head's shortlist and cluster rows joined into one
 product. ``scores`` are what sampling needs: raw logits for a full softmax (its log-softmax
 only shifts each row, and a draw renormalises), log-probabilities with clusters.
+
+Pruned draws (``select``). With clusters most of the output layer's bytes are the tail
+clusters', and most draws need none of them. A token of tail cluster c has log-probability
+head_c + log p(token | c) <= head_c, so:
+- greedy, top-k (and top-p inside the top k): a cluster whose head_c is below the k-th best
+  shortlist log-probability holds no candidate; the k best of the shortlist and the clusters
+  that may hold one are the k best of the vocabulary, the same values, so the same draw;
+- plain sampling (temperature 1): the inverse CDF over the vocabulary, laid out shortlist
+  then cluster by cluster as the head is, is the head's inverse CDF at the same uniform,
+  then, inside the cluster drawn, the cluster's at the uniform rescaled to it: two stages,
+  the tail product of the one cluster drawn only.
+Which clusters a batch needs is a device tensor. ``host_branch=True`` (eager, where reading
+it is free: a CPU) skips the others with a Python branch; otherwise each cluster is a
+``torch.cond`` on it, which a compiled step traces into its one graph. Other settings
+(top-p alone, a temperature without top-k) draw from the full distribution.
 """
 
 from __future__ import annotations
@@ -20,7 +35,7 @@ from torch import Tensor
 
 from txlm.model.adaptive import AdaptiveLogSoftmax
 from txlm.model.layout import one_row_layout
-from txlm.sampling import upcast
+from txlm.sampling import SamplingConfig, candidate_probs, cdf_index, draw, sample, upcast
 
 
 class DecodingHead:
@@ -79,3 +94,94 @@ class DecodingHead:
     def normalise(self, scores: Tensor) -> Tensor:
         """Sampling scores -> log-probabilities (they are already, with clusters)."""
         return scores if self.n_clusters else F.log_softmax(scores, dim=-1)
+
+    # -- pruned draws -------------------------------------------------------------------
+    def prunes(self, sampling: SamplingConfig) -> bool:
+        """Whether ``select`` skips clusters for ``sampling`` (else it draws from ``scores``)."""
+        if not self.n_clusters:
+            return False
+        if sampling.greedy:
+            return True
+        if sampling.top_k is not None:
+            return sampling.top_k <= self.shortlist
+        plain = sampling.top_p is None or sampling.top_p >= 1.0
+        return plain and sampling.temperature == 1.0
+
+    def select(
+        self,
+        hidden: Tensor,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+        *,
+        host_branch: bool = True,
+    ) -> Tensor:
+        """The next token per row, [B]: ``sample(scores(hidden), sampling, generator)``
+        with the tail clusters that cannot hold the draw skipped (see the module doc)."""
+        if not self.prunes(sampling):
+            return sample(self.scores(hidden), sampling, generator)
+        head = self.head_log_probs(hidden)  # [B, shortlist + C]
+        if sampling.greedy or sampling.top_k is not None:
+            return self._select_top(hidden, head, sampling, generator, host_branch)
+        return self._select_two_stage(hidden, head, generator, host_branch)
+
+    def _cluster(self, need: Tensor, host_branch: bool, fn, skip, *operands: Tensor):
+        """``fn(*operands)`` where some row needs the cluster (``need`` [B] bool), else
+        ``skip(*operands)`` (the same shapes), without reading ``need`` on the host unless
+        ``host_branch``."""
+        if host_branch:
+            return fn(*operands) if bool(need.any()) else skip(*operands)
+        return torch.cond(need.any(), fn, skip, operands)
+
+    def _select_top(self, hidden, head, sampling, generator, host_branch) -> Tensor:
+        k = 1 if sampling.greedy else sampling.top_k
+        short = self.shortlist
+        vals, ids = head[:, :short].topk(k, dim=-1)  # [B, k]
+        kth = vals[:, -1:]  # a tail token at or above it needs head_c >= it
+        all_vals, all_ids = [vals], [ids]
+        for i in range(1, self.n_clusters + 1):
+            lo, hi = self.bounds[i]
+            kc = min(k, hi - lo)
+
+            def top(h: Tensor, hd: Tensor, i: int = i, kc: int = kc) -> tuple[Tensor, Tensor]:
+                vals, ids = self.tail_log_probs(i, h, hd).topk(kc, dim=-1)
+                return vals, ids  # a plain tuple: both branches of a cond return the same
+
+            def none(h: Tensor, hd: Tensor, kc: int = kc) -> tuple[Tensor, Tensor]:
+                rows = hd.size(0)
+                ids = torch.zeros(rows, kc, dtype=torch.long, device=hd.device)
+                return hd.new_full((rows, kc), float("-inf")), ids
+
+            need = head[:, short + i - 1] >= kth[:, 0]
+            v, j = self._cluster(need, host_branch, top, none, hidden, head)
+            all_vals.append(v)
+            all_ids.append(j + lo)
+        vals, pos = torch.cat(all_vals, dim=-1).topk(k, dim=-1)  # the vocabulary's k best
+        ids = torch.cat(all_ids, dim=-1).gather(1, pos)
+        if sampling.greedy:
+            return ids[:, 0]
+        return ids.gather(1, draw(candidate_probs(vals, sampling), generator)).squeeze(1)
+
+    def _select_two_stage(self, hidden, head, generator, host_branch) -> Tensor:
+        short = self.shortlist
+        probs = head.exp()  # [B, shortlist + C]: tokens of the shortlist, then clusters
+        cdf = probs.cumsum(dim=-1)
+        u = torch.rand(head.size(0), 1, generator=generator, device=head.device, dtype=cdf.dtype)
+        first = cdf_index(cdf, u)  # [B]
+        token = first.clone()  # right where it is a shortlist token
+        for i in range(1, self.n_clusters + 1):
+            col = short + i - 1
+            lo, _ = self.bounds[i]
+            drawn = first == col
+            # the uniform rescaled into the cluster's share of the head's CDF
+            inner = (u[:, 0] - (cdf[:, col] - probs[:, col])) / probs[:, col]
+
+            def within(h: Tensor, hd: Tensor, inner: Tensor, i: int = i) -> Tensor:
+                tail = F.softmax(upcast(self.logits(i, h)), dim=-1)  # p(token | cluster)
+                return cdf_index(tail.cumsum(dim=-1), inner[:, None])
+
+            def none(h: Tensor, hd: Tensor, inner: Tensor) -> Tensor:
+                return torch.zeros(hd.size(0), dtype=torch.long, device=hd.device)
+
+            j = self._cluster(drawn, host_branch, within, none, hidden, head, inner)
+            token = torch.where(drawn, j + lo, token)
+        return token

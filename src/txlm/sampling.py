@@ -7,7 +7,8 @@ Dimension legend
 Every function here is device work only: no value is read back to the host, so a draw can
 follow a decoding step inside one captured graph. A draw is an exponential race (``draw``:
 argmax p_i / E_i, what ``torch.multinomial`` computes for one sample), so the same generator
-state gives the same token whichever of these functions computed the probabilities.
+state gives the same token whichever of these functions computed the probabilities; a draw
+over a whole vocabulary inverts the CDF at one uniform (``draw_cdf``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def sample(
 
     ``scores`` are log-probabilities or raw logits: only their differences within a row
     matter (the kept mass is renormalised), so the decoder can skip the log-softmax.
+    A top-k cut draws among its k candidates (``draw``); a draw over the whole vocabulary
+    inverts the distribution's CDF at one uniform per row (``draw_cdf``), the rule an
+    adaptive softmax can follow cluster by cluster (txlm.head).
     """
     if config.greedy:
         return scores.argmax(dim=-1)
@@ -88,7 +92,7 @@ def sample(
         probs, ids = top
         return ids.gather(1, draw(probs, generator)).squeeze(1)
     probs = filter_log_probs(scores, config).softmax(dim=-1)
-    return draw(probs, generator).squeeze(1)
+    return draw_cdf(probs, generator)
 
 
 def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Tensor] | None:
@@ -103,12 +107,32 @@ def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Te
     if k is None or k >= vocab:
         return None
     vals, ids = upcast(scores).topk(k, dim=-1)  # [B, k], largest first
+    return candidate_probs(vals, config), ids
+
+
+def candidate_probs(vals: Tensor, config: SamplingConfig) -> Tensor:
+    """The k best scores [B, k], largest first -> their sampling probabilities [B, k]:
+    temperature, then the nucleus rule of ``filter_log_probs`` among them, renormalised."""
     kept = vals / config.temperature
     if config.top_p is not None and config.top_p < 1.0:
         probs = kept.softmax(dim=-1)  # already sorted: the nucleus rule of filter_log_probs
         before = probs.cumsum(dim=-1) - probs
         kept = kept.masked_fill(before >= config.top_p, float("-inf"))
-    return kept.softmax(dim=-1), ids
+    return kept.softmax(dim=-1)
+
+
+def draw_cdf(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One index per row of [B, V] probabilities -> [B]: the first index whose cumulative
+    probability exceeds a uniform u (inverse-CDF sampling; a u past the rounded total is
+    clamped to the last index)."""
+    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=probs.dtype)
+    return cdf_index(probs.cumsum(dim=-1), u)
+
+
+def cdf_index(cdf: Tensor, u: Tensor) -> Tensor:
+    """[B, N] cumulative probabilities, [B, 1] uniforms -> [B]: how many entries are <= u
+    (the drawn index), at most N - 1."""
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(-1) - 1)
 
 
 def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
