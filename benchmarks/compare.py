@@ -59,7 +59,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
 from txlm.data.vocab import write_text_atomic
-from txlm.decode import CachedDecoder
+
+try:
+    from txlm.decode import CachedDecoder
+except ImportError:  # a revision before txlm.decode (profile_step.py counts old code too)
+    from txlm.generate import CachedDecoder
 from txlm.model.kv_eval import CachedEvaluator
 
 # scratch by default (under the current directory, as txlm train's runs/); --out

@@ -9,7 +9,10 @@ how many operations a training step and a decoded token launch.
 left out), counted with a dispatch mode in one training step (batch 2 x 150, mem 150: the
 count does not depend on the batch) and per decoded token (batch 1, mem 512, greedy) of the
 wt103-base shape, vocabulary cut to 32k (cutoffs 8k/16k) to fit a CPU. On a GPU each is
-roughly one kernel launch: fewer is the CPU-visible proxy for launch overhead. Writes
+roughly one kernel launch: fewer is the CPU-visible proxy for launch overhead. ``--compiled``
+adds the traced step: the decoding step compiled by inductor (as ``txlm generate --compile``
+builds it), counted as the kernels its generated code calls per token (fused C++ kernels
+and library calls such as the matrix products; a few minutes to compile on a CPU). Writes
 runs/bench/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
 that code instead (the before/after figures of a change).
 
@@ -112,7 +115,35 @@ class CountOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def count_ops() -> dict:
+def compiled_kernels(step, ids: torch.Tensor) -> dict:
+    """Kernels one call of a compiled decoding step runs: the calls in the ``call`` function
+    of inductor's generated code, by kind (``cpp_fused_*`` kernels, ``extern_kernels.*``
+    library calls, other aten calls)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    with torch.inference_mode():
+        _, codes = run_and_get_code(step, ids)
+    counts: dict[str, int] = {}
+    for code in codes:
+        body = code[code.index("def call(") :]
+        for line in body.splitlines():
+            callee = line.strip().split(" = ")[-1]
+            m = re.match(
+                r"(cpp_fused|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+)", callee
+            )
+            if m and "(" in callee:
+                kind = (
+                    "fused"
+                    if m.group(1) in ("cpp_fused",) or m.group(1).startswith("triton")
+                    else m.group(1)
+                )
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def count_ops(compiled: bool = False) -> dict:
     """Operations per training step and per decoded token at the wt103-base shape."""
     import txlm
     from txlm.config import ModelConfig
@@ -174,6 +205,13 @@ def count_ops() -> dict:
     def top(counts: dict) -> dict:
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
+    traced = None
+    if compiled:
+        with torch.no_grad():
+            dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
+            logp = dec.prefill([prompt])
+            traced = compiled_kernels(dec._stepper(), logp.argmax(-1))
+
     return {
         "shape": "wt103-base (16 layers, d_model 410, 10 x 41 heads, vocab 32k adaptive)",
         "train_batch": "2 x 150, mem 150, dropout 0.1, fused Adam",
@@ -182,6 +220,8 @@ def count_ops() -> dict:
         "decode_ops_per_token_modules": None
         if modules is None
         else round(sum(modules.values()), 1),
+        "decode_kernels_per_token_compiled": None if traced is None else sum(traced.values()),
+        "decode_kernels_compiled": traced,
         "train_ops": top(train_ops.counts),
         "decode_ops": top(per_token),
     }
@@ -190,6 +230,7 @@ def count_ops() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ops", action="store_true", help="operation counts (wt103-base shape)")
+    ap.add_argument("--compiled", action="store_true", help="with --ops: the compiled step too")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--config", default="cpu", choices=sorted(SHAPES))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -198,7 +239,7 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ops:
-        result = count_ops()
+        result = count_ops(compiled=args.compiled)
         out = args.out or SCRATCH / "profile_ops.json"
         if out.exists():  # keep the counts of other revisions recorded there
             result.update({k: v for k, v in json.loads(out.read_text()).items() if "before" in k})

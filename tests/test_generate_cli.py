@@ -333,3 +333,20 @@ def test_compile_flag_compiles_the_step_and_keeps_the_text(char_ckpt, capsys, mo
         ids[bool(extra)] = json.loads(capsys.readouterr().out)["sample_ids"]
     assert ids[True] == ids[False]
     assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor")]
+
+
+def test_prompt_file_with_several_samples_prints_the_prompt_once(char_ckpt, tmp_path, capsys):
+    """Several samples of a --prompt-file: the prompt once, then each sample's generated
+    text under a header that marks where it starts; the samples are the --json run's."""
+    prompt = "ROMEO:\nA long prompt that should not be repeated before every sample.\n"
+    path = tmp_path / "prompt.txt"
+    path.write_text(prompt, encoding="utf-8")
+    base = ["generate", str(char_ckpt), "--prompt-file", str(path), "--max-new-tokens", "12",
+            "--seed", "4", "--num-samples", "3"]  # fmt: skip
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert out.count(prompt) == 1 and out.startswith("=== prompt ===\n" + prompt)
+    assert main([*base, "--json"]) == 0
+    samples = json.loads(capsys.readouterr().out)["samples"]
+    for j, text in enumerate(samples, 1):
+        assert f"=== sample {j} (seed 4): generated ===\n{text}\n" in out
