@@ -292,8 +292,10 @@ class RelativeAttention(nn.Module):
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
         act, dim = h.dtype, (h.size(-1),)
+        wdt = w.qkv_t.dtype
         x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
-        qkv = _as(torch.mm(_as(x, w.qkv_t.dtype), w.qkv_t), act)  # [B, 3 I]
+        qkv = torch.mm(x if wdt == act else x.to(wdt), w.qkv_t)  # [B, 3 I]
+        qkv = qkv if wdt == act else qkv.to(act)
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
         q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
         qc = (q if w.u is None else q + w.u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
@@ -319,7 +321,8 @@ class RelativeAttention(nn.Module):
         else:  # half precision is normalised in float32
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
         attn = _as(torch.bmm(probs, values).view(batch, inner), act)
-        out = _as(torch.mm(_as(attn, w.out_t.dtype), w.out_t), act)
+        out = torch.mm(attn if wdt == act else attn.to(wdt), w.out_t)
+        out = out if wdt == act else out.to(act)
         return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *w.norm1)
 
     def _project(
@@ -383,15 +386,16 @@ class PositionwiseFF(nn.Module):
             norm, p, training = (n.weight, n.bias, n.eps), self.drop.p, self.training
         else:  # a decoding step: inference, no dropout
             w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
-            norm, p, training = weights.norm2, 0.0, False
+            norm = weights.norm2
         dim = (h.size(-1),)
         x = torch.layer_norm(h, dim, *norm) if self.pre_lnorm else h
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, dim[0])
         out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
-        out = torch.addmm(b2, dropout(out, p, training), w2)
-        if weights is not None:  # back to the residual stream's dtype
-            out = _as(out, h.dtype)
-        out = dropout(out.view(h.shape), p, training)
+        if weights is not None:  # a decoding step: back to the residual stream's dtype
+            out = _as(torch.addmm(b2, out, w2), h.dtype).view(h.shape)
+        else:
+            out = torch.addmm(b2, dropout(out, p, training), w2)
+            out = dropout(out.view(h.shape), p, training)
         return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *norm)

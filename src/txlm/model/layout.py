@@ -6,12 +6,12 @@ Dimension legend
 A decoding step multiplies one row per sequence by each weight: a matrix-vector product,
 bound by reading the weight. On a CPU its speed depends on the layout: from a contiguous
 [in, out] buffer MKL streams it about twice as fast as from the [out, in] weight of an
-``nn.Linear`` viewed transposed (256 x 1024: ~9 us instead of ~16 us, one thread), so there
-the weights are held as such copies. On CUDA, where the product is a kernel either way, they
-are views of the parameters unless the decoder runs in another dtype (bf16 weights halve
-the bytes a token reads). Made once per decoder, from the model as it is at that moment: the
-model itself is not changed or copied. (``.to(dtype)`` of a weight already in ``dtype`` is the
-weight itself, so a view stays a view of the parameter.)
+``nn.Linear`` viewed transposed (1024 x 256: ~9 us instead of ~16 us, one thread), so there
+the weights where it matters are held as such copies (``one_row_layout``). On CUDA, where
+the product is a kernel either way, they are views of the parameters unless the decoder runs
+in another dtype (bf16 weights halve the bytes a token reads). Made once per decoder, from
+the model as it is at that moment: the model itself is not changed or copied. (``.to(dtype)``
+of a weight already in ``dtype`` is the weight itself, so a view stays a view of it.)
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ from torch import Tensor, nn
 
 # Above this many elements a one-row product on a CPU streams the weight as fast from either
 # layout (10000 x 256: ~360 us both ways; 2100 x 410: ~115 us), and a copy would only cost
-# the decoder's set-up time; below it the contiguous [in, out] copy is ~1.4-2x faster
-# (1230 x 410: 29 us instead of 41 us; 1024 x 256: 9 instead of 16).
+# the decoder's set-up time; below it the contiguous [in, out] copy of a weight with more
+# outputs than inputs is ~1.4-2x faster (1230 x 410: 29 us instead of 41 us; 1024 x 256: 9
+# instead of 16). For in > out (the second feed-forward layer) a whole step measured the same
+# either way, so that weight stays a view.
 SMALL_WEIGHT = 600_000
 
 
 def one_row_layout(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """W^T [in, out] of a weight [out, in] in ``dtype``: a contiguous copy on a CPU for a
-    weight small enough that its layout matters (``SMALL_WEIGHT``), else a view."""
+    """W^T [in, out] of a weight [out, in] in ``dtype``: a contiguous copy on a CPU where the
+    layout is measured to matter (out > in, at most ``SMALL_WEIGHT`` elements), else a view."""
     w = weight.detach().to(dtype)
-    if w.device.type == "cpu" and w.numel() <= SMALL_WEIGHT:
+    if w.device.type == "cpu" and w.numel() <= SMALL_WEIGHT and w.size(0) > w.size(1):
         return w.t().contiguous()
     return w.t()
 

@@ -224,7 +224,8 @@ class TransformerXL(nn.Module):
         h = self.embed(input_ids)
         if c.attn_type == "vaswani":  # absolute position within the segment
             h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
-        h = dropout(h, self.drop.p, self.training)
+        if self.training:
+            h = dropout(h, self.drop.p, True)
 
         pos: Tensor | None = None
         if cache is not None:
@@ -242,8 +243,6 @@ class TransformerXL(nn.Module):
                 pos = self.drop(sinusoid(dist, c.d_model).to(h.dtype))  # R [K+1, D]
             elif c.attn_type == "shaw":
                 pos = relative_distances(klen, self._shaw_clamp(lengths.clamp_len), device)
-        u = getattr(self, "u", None)
-        v = getattr(self, "v", None)
         kwargs = attn_kwargs or {}
 
         hiddens = []  # each layer's input: the next memory (not needed over a cache alone)
@@ -256,6 +255,8 @@ class TransformerXL(nn.Module):
             h = h.view(h.size(0), -1)
             if weights is None:  # a one-off step: views of the parameters
                 weights = self.step_weights(attn_dtype=cache.kv.dtype, copy=False)
+        else:  # the shared u, v (the one-query form has them in its weights)
+            u, v = getattr(self, "u", None), getattr(self, "v", None)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
@@ -272,7 +273,8 @@ class TransformerXL(nn.Module):
                 extras.append(layer_extras)
         if one:
             h = h.unsqueeze(1)
-        h = dropout(h, self.drop.p, self.training)
+        if self.training:
+            h = dropout(h, self.drop.p, True)
         if cache is not None:
             if mems is None:  # the cache is the memory; no hidden states to carry
                 return h, [], None
