@@ -198,12 +198,14 @@ def main() -> int:
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, SHAPE["vocab_size"], (BATCH, 16 * TGT_LEN + 1), generator=g)
     runners = {"hf": Runner("hf", hf, data), "txlm": Runner("txlm", tx, data)}
+    kinds = args.kinds.split(",")
     for r in runners.values():  # warm-up; fills the memory to mem_len
         for _ in range(2):
-            r.train_step()
-            r.eval_step()
+            if "train" in kinds:
+                r.train_step()
+            if "eval" in kinds:
+                r.eval_step()
 
-    kinds = args.kinds.split(",")
     plan = {
         "train": (args.train_steps, BATCH * TGT_LEN),
         "eval": (args.eval_steps, BATCH * TGT_LEN),
