@@ -97,7 +97,7 @@ def test_every_length_takes_effect():
         got = model(x, mems=mems, lengths=model.lengths.replace(**change)).hidden
         assert not torch.allclose(got, base)
     # a cache holds the lengths it was made for: no other may be given with it
-    cache = model.new_cache(1, model.lengths.replace(mem_len=4))
+    cache = model.new_cache(1, lengths=model.lengths.replace(mem_len=4))
     assert cache.lengths.mem_len == 4 and cache.slots == 4 + 8
     with pytest.raises(ValueError, match="differ from the cache"):
         model.transform(x, cache=cache, lengths=model.lengths)

@@ -244,7 +244,7 @@ class CachedDecoder(_Reader):
 
     def _begin(self, batch: int) -> None:
         self.cache = self.model.new_cache(
-            batch, self.lengths, dtype=self.cache_dtype, static=self.static
+            batch, lengths=self.lengths, dtype=self.cache_dtype, static=self.static
         )
         self._step = None
 

@@ -69,8 +69,8 @@ class CachedEvaluator:
         if self.cache is None or self.cache.batch != input_ids.size(0):
             self.cache = model.new_cache(
                 input_ids.size(0),
-                self.lengths,
-                max_len=max(input_ids.size(1), self.lengths.tgt_len),
+                max(input_ids.size(1), self.lengths.tgt_len),
+                lengths=self.lengths,
             )
             # empty hidden-state memory (not None): transform then carries it along
             h = torch.empty(input_ids.size(0), 0, model.config.d_model, device=input_ids.device)

@@ -2,7 +2,7 @@
 
     lengths = Lengths.of(model.config, mem_len=512)     # the model's, one of them changed
     out = model(ids, mems, lengths=lengths)
-    cache = model.new_cache(batch, lengths)
+    cache = model.new_cache(batch, lengths=lengths)
 
 ``tgt_len``: segment length of the loops that cut a stream (evaluation, reading a prompt) and
 the longest segment a cache takes; ``mem_len``: earlier states each layer keeps (Tail_M);

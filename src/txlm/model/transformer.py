@@ -310,9 +310,9 @@ class TransformerXL(nn.Module):
     def new_cache(
         self,
         batch: int,
-        lengths: Lengths | None = None,
-        *,
         max_len: int | None = None,
+        *,
+        lengths: Lengths | None = None,
         dtype: torch.dtype | None = None,
         static: bool = True,
     ) -> KVCache:
