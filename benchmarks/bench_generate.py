@@ -40,8 +40,8 @@ from pathlib import Path
 
 import torch
 
+from txlm import atomic
 from txlm.convert import hf_config_to_model_config, load_hf_state_dict
-from txlm.data.vocab import write_text_atomic
 from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
@@ -214,7 +214,7 @@ def main() -> int:
         result["shapes"][name] = bench_shape(name, shape, 1 if args.quick else args.rounds)
     result["seconds"] = round(time.perf_counter() - began, 1)
     text = json.dumps(result, indent=2)
-    write_text_atomic(args.out, text + "\n")
+    atomic.write_text(args.out, text + "\n")
     print(text)
     return 0
 

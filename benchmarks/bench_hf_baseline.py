@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 import txlm
-from txlm.checkpoint import write_json
+from txlm.atomic import write_json
 from txlm.convert import convert_hf
 
 SHAPE = dict(

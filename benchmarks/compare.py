@@ -58,7 +58,7 @@ from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
-from txlm.data.vocab import write_text_atomic
+from txlm import atomic
 
 try:
     from txlm.decode import CachedDecoder
@@ -480,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    write_text_atomic(args.out, text + "\n")
+    atomic.write_text(args.out, text + "\n")
     return 0
 
 

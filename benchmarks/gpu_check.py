@@ -57,8 +57,9 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import txlm
+from txlm import atomic
 from txlm.config import ModelConfig
-from txlm.data.vocab import Vocab, write_text_atomic
+from txlm.data.vocab import Vocab
 from txlm.decode import CachedDecoder
 from txlm.model import align
 from txlm.model.align import pad_heads
@@ -537,7 +538,7 @@ class Run:
         if self.targets:  # the shapes only (not --quick's)
             self.result["targets"] = targets(self.result)
         self.result["wall_s"] = round(self.elapsed(), 1)
-        write_text_atomic(self.out, json.dumps(self.result, indent=2) + "\n")
+        atomic.write_text(self.out, json.dumps(self.result, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,11 +6,9 @@
     tokenizer.json       a bpe vocabulary's tokenizer (the model's ids mean nothing without it)
     ...                  training adds optimizer.safetensors, trainer_state.json, memory
 
-Atomic replace: the new checkpoint is written to a sibling temp directory and renamed into
-place. A directory cannot be renamed over a non-empty one, so an existing checkpoint is first
-renamed aside to ``NAME.old`` and removed only after the new one is in place; ``resolve``
-falls back to ``NAME.old`` if a crash hit between the two renames. At every instant either the
-old or the new checkpoint is complete on disk.
+A checkpoint is written with ``txlm.atomic.directory``: filled in a temp directory beside it
+and swapped into place, so at every instant the old or the new checkpoint is whole on disk;
+``resolve`` reads ``NAME.old`` after a crash between the two renames of the swap.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -29,6 +26,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
+from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
@@ -40,90 +38,6 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_FILE = "vocab.json"
 TOKENIZER_FILE = "tokenizer.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON to a temp file beside ``path`` and rename it over ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<pid>\d+)\.[^.]+\.tmp$")
-
-
-def _remove_stale_temps(folder: Path) -> None:
-    """Delete temp dirs in ``folder`` left by writers that died (SIGKILL, power loss).
-
-    Temp names carry the writer's pid; one whose process no longer exists is garbage. A live
-    pid (ours, or another process writing there) is left alone. Every checkpoint's leftovers
-    go, not only the target's: a run killed while writing ``best`` may never write ``best``
-    again, and its next ``last`` save is then the one that cleans up.
-    """
-    for tmp in folder.glob(".*.tmp"):
-        match = _TEMP_NAME.match(tmp.name)
-        if match is None or not tmp.is_dir():
-            continue
-        try:
-            os.kill(int(match["pid"]), 0)
-        except ProcessLookupError:
-            shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:  # exists but not ours (EPERM): not stale
-            pass
-
-
-def atomic_directory(target: Path, fill: Callable[[Path], None]) -> Path:
-    """Create ``target`` by calling ``fill(tmpdir)`` and renaming tmpdir into place."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target.parent)
-    tmp = Path(
-        tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
-    )
-    try:
-        fill(tmp)
-        for f in tmp.iterdir():  # data on disk before the rename makes it visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        old = target.with_name(target.name + ".old")
-        if target.exists():
-            # target is complete (it only ever appears by rename), so an old copy beside it
-            # is a leftover and can go before target is moved aside.
-            if old.exists():
-                shutil.rmtree(old)
-            os.rename(target, old)
-        # else: a crash hit between the two renames of an earlier swap, and old is the only
-        # complete copy; it must survive until the new one is in place (deleting it first
-        # left a window in which a SIGKILL lost the checkpoint).
-        os.rename(tmp, target)
-        _fsync_dir(target.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
 
 
 def estimate_checkpoint_bytes(model: torch.nn.Module, *, optimizer_moments: int = 2) -> int:
@@ -172,12 +86,9 @@ def ensure_writable(directory: str | Path, need_bytes: int = 0) -> Path:
 
 def resolve(path: str | Path) -> Path:
     """The checkpoint directory to read: ``path``, or ``path.old`` after an interrupted swap."""
-    path = Path(path)
+    path = atomic.resolve(path)
     if path.is_dir():
         return path
-    old = path.with_name(path.name + ".old")
-    if not path.exists() and old.is_dir():
-        return old
     if path.exists():
         raise CheckpointError(f"{path} is not a checkpoint directory")
     raise CheckpointError(f"checkpoint {path} does not exist")
@@ -203,14 +114,15 @@ def save(
     if vocab_json is not None and json.loads(vocab_json).get("level") == "bpe":
         raise ValueError("a bpe vocabulary has a tokenizer.json too: pass vocab=, not vocab_json=")
 
-    def fill(tmp: Path) -> None:
+    directory = Path(directory)
+    with atomic.directory(directory) as tmp:
         config = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "model": model.config.to_dict(),
             **(extra_config or {}),
         }
-        write_json(tmp / CONFIG_FILE, config)
+        atomic.write_json(tmp / CONFIG_FILE, config)
         save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
         if vocab_json is not None:
             (tmp / VOCAB_FILE).write_text(vocab_json)
@@ -218,8 +130,7 @@ def save(
             vocab.save(tmp / VOCAB_FILE)
         if extra_files is not None:
             extra_files(tmp)
-
-    return atomic_directory(Path(directory), fill)
+    return directory
 
 
 def read_config(directory: str | Path) -> dict[str, Any]:

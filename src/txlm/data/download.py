@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from txlm.data.vocab import write_text_atomic
+from txlm import atomic
 from txlm.errors import DataError
 
 CHUNK = 1 << 20
@@ -74,7 +74,7 @@ def load_record(download_dir: Path) -> dict[str, dict]:
 def save_record(download_dir: Path, name: str, sha256: str, size: int, url: str) -> None:
     record = load_record(download_dir)
     record[name] = {"sha256": sha256, "bytes": size, "url": url}
-    write_text_atomic(download_dir / CHECKSUM_RECORD, json.dumps(record, indent=1, sort_keys=True))
+    atomic.write_text(download_dir / CHECKSUM_RECORD, json.dumps(record, indent=1, sort_keys=True))
 
 
 def download(

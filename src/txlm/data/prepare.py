@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from txlm import atomic
 from txlm.data import bpe, recall, sources
 from txlm.data.building import building
 from txlm.data.corpora import SPECS, RawCorpus
@@ -37,7 +38,7 @@ from txlm.data.prepared import (
     load_prepared,
 )
 from txlm.data.splits import encode_splits
-from txlm.data.vocab import TOKENIZER_FILE, Vocab, check_fingerprint, write_text_atomic
+from txlm.data.vocab import TOKENIZER_FILE, Vocab, check_fingerprint
 from txlm.errors import DataError
 
 
@@ -142,7 +143,7 @@ def prepare_dataset(
                 "suggested_cutoffs": bpe.suggest_cutoffs(train_counts),
                 "covering": "80% and 95% of the train tokens",
             }
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        atomic.write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
     return out
 

@@ -55,9 +55,10 @@ from pathlib import Path
 
 import numpy as np
 
+from txlm import atomic
 from txlm.data.building import building
 from txlm.data.prepared import FORMAT, FORMAT_VERSION, is_current
-from txlm.data.vocab import Vocab, write_text_atomic
+from txlm.data.vocab import Vocab
 from txlm.errors import DataError
 
 GENERATOR_VERSION = 1
@@ -336,7 +337,7 @@ def prepare_recall(name: str, data_dir: str | Path, *, force: bool = False) -> P
             # per token: distance back to its source when the token is a predictable copy
             "copies": {"dtype": "int32", "splits": copies},
         }
-        write_text_atomic(tmp / "meta.json", json.dumps(meta, indent=1))
+        atomic.write_text(tmp / "meta.json", json.dumps(meta, indent=1))
     return out
 
 

@@ -55,7 +55,7 @@ def encode_split(
     doc_start = vocab.doc_start_id
     file = folder / f"{split}.bin"
     bar = tqdm(
-        desc=f"{folder.name.split('.tmp-')[0].lstrip('.')} {split}",
+        desc=f"{folder.name.lstrip('.').rsplit('.', 3)[0]} {split}",  # .NAME.PID.XXXX.tmp
         unit=" tokens",
         unit_scale=True,
         disable=not progress,

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +39,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
+from txlm import atomic
 from txlm.errors import DataError, TxlmError
 
 LEVELS = ("char", "byte", "word", "bpe")
@@ -309,7 +308,7 @@ class Vocab:
         return vocab
 
     def save(self, path: str | Path) -> None:
-        write_text_atomic(Path(path), self.to_json())
+        atomic.write_text(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Vocab:
@@ -491,8 +490,8 @@ class BPEVocab(Vocab):
     def save(self, path: str | Path) -> None:
         """Write ``path`` (vocab.json) and ``tokenizer.json`` in the same folder."""
         p = Path(path)
-        write_text_atomic(p.with_name(TOKENIZER_FILE), self.tokenizer_json)
-        write_text_atomic(p, self.to_json())
+        atomic.write_text(p.with_name(TOKENIZER_FILE), self.tokenizer_json)
+        atomic.write_text(p, self.to_json())
 
     @classmethod
     def load_beside(cls, meta: dict, vocab_path: Path) -> BPEVocab:
@@ -518,17 +517,3 @@ class BPEVocab(Vocab):
                 f"size {meta.get('size')})"
             )
         return vocab
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write next to the target and rename, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; these files are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from txlm import checkpoint
+from txlm import atomic, checkpoint
 from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, TrainingError, TxlmError
@@ -82,7 +82,7 @@ class CheckpointManager:
             state, memory = resume
             save_optimizer(self.optimizer, tmp / OPTIMIZER_FILE, self.model)
             save_file(memory, str(tmp / MEMORY_FILE))
-            checkpoint.write_json(tmp / STATE_FILE, state)
+            atomic.write_json(tmp / STATE_FILE, state)
 
         c = self.counters
         checkpoint.save(

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from txlm.checkpoint import load_vocab, vocab_fingerprint, write_json
+from txlm.atomic import write_json
+from txlm.checkpoint import load_vocab, vocab_fingerprint
 from txlm.commands.options import add_device_options
 from txlm.data import open_corpus
 from txlm.devices import resolve_device
