@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO, subprocess_env
+
 # Small, fast, reproducible: one thread, deterministic kernels, no progress bars.
 FAST = [
     "run.threads=1",
@@ -43,19 +43,11 @@ def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
     return resolve("debug", None, [*base, *overrides])
 
 
-def env(data_dir: Path) -> dict[str, str]:
-    e = dict(os.environ)
-    e["TXLM_DATA_DIR"] = str(data_dir)
-    e["OMP_NUM_THREADS"] = "1"
-    e["PYTHONHASHSEED"] = "0"
-    return e
-
-
-def txlm(args: list[str], data_dir: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+def txlm(args: list[str], data_dir: Path, *, timeout: float = 1200) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "txlm", *args],
         cwd=REPO,
-        env=env(data_dir),
+        env=subprocess_env(data_dir),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from conftest import save_tiny_hf, subprocess_env
 from reliability_helpers import (
     Runner,
     corpus_text,
@@ -37,7 +38,6 @@ from reliability_helpers import (
     evil_pickle,
     evil_torch_zip,
     snapshot,
-    subprocess_env,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -108,25 +108,7 @@ def build_assets(root: Path, runner: Runner) -> Path:
 
     # A Hugging Face TransfoXL directory for `txlm convert` (pytorch_model.bin: a zip pickle
     # that torch.load(weights_only=True) reads).
-    import warnings
-
-    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
-
-    hf_config = TransfoXLConfig(
-        vocab_size=40,
-        cutoffs=[],
-        d_model=16,
-        d_embed=16,
-        n_head=2,
-        d_head=8,
-        d_inner=32,
-        div_val=1,
-        n_layer=1,
-        mem_len=8,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        TransfoXLLMHeadModel(hf_config).save_pretrained(root / "hf", safe_serialization=False)
+    save_tiny_hf(root / "hf", safe=False)
     return root
 
 
@@ -262,7 +244,7 @@ def run_case_subprocess(case: Case, assets: Path, tmp_path: Path) -> None:
     """The same case as a real ``python -m txlm`` process."""
     work, _ = prepare_workdir(case, assets, tmp_path)
     before = snapshot(work)
-    env = {**subprocess_env(), "TXLM_DATA_DIR": str(work / "data")}
+    env = subprocess_env(work / "data")
     proc = subprocess.run(
         [sys.executable, "-m", "txlm", *case.argv],
         cwd=work,

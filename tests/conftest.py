@@ -63,7 +63,7 @@ def save_tiny_hf(directory: Path, *, safe: bool = True, **overrides):
     return model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runner():
     """The warm fork server (reliability_cli_runner.py): ``python -m txlm`` children without
     an interpreter and torch start-up each."""

@@ -17,12 +17,13 @@ ends: its exit code, or minus the signal that killed it (-9 also when it ran pas
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import runpy
 import signal
 import sys
-import time
 
 
 def _child(req: dict) -> int:
@@ -35,6 +36,7 @@ def _child(req: dict) -> int:
     sys.argv = [os.path.join(os.path.dirname(__import__("txlm").__file__), "__main__.py")]
     sys.argv += req["argv"]
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)  # the parent's timeout is not ours
     try:
         runpy.run_module("txlm", run_name="__main__", alter_sys=True)
         code = 0
@@ -52,6 +54,23 @@ def _child(req: dict) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     return code
+
+
+def _wait(pid: int, timeout: float) -> int:
+    """Block until the child ends; one that outlives ``timeout`` (a hung run) is killed.
+    The alarm is a safety net for a stuck child, not a moment any test waits for."""
+
+    def expire(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, math.ceil(timeout)))
+    try:
+        _, status = os.waitpid(pid, 0)  # retried after the handler runs (PEP 475)
+    finally:
+        signal.alarm(0)
+    return os.waitstatus_to_exitcode(status)
 
 
 def main() -> None:
@@ -73,18 +92,7 @@ def main() -> None:
                 os._exit(code)
         sys.stdout.write(json.dumps({"pid": pid}) + "\n")  # the caller may signal the child
         sys.stdout.flush()
-        deadline = time.monotonic() + float(req.get("timeout", 120))
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                rc = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                rc = -9
-                break
-            time.sleep(0.01)
+        rc = _wait(pid, float(req.get("timeout", 120)))
         sys.stdout.write(json.dumps({"rc": rc}) + "\n")
         sys.stdout.flush()
 

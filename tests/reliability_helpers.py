@@ -1,4 +1,5 @@
-"""Shared pieces of the reliability tests: hostile payloads and on-disk snapshots.
+"""Shared pieces of the reliability tests: hostile payloads, on-disk snapshots, the warm
+runner, and the test side of the fault seam (``txlm.atomic``).
 
 Not a test module (no ``test_`` prefix); the reliability tests import it by name, which works
 because pytest puts each test file's directory on sys.path.
@@ -11,10 +12,14 @@ import io
 import json
 import os
 import pickle
+import select
+import signal
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from conftest import subprocess_env
 
 HERE = Path(__file__).resolve().parent
 
@@ -156,10 +161,82 @@ class Runner:
         self.proc.stdout.close()
 
 
-def subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("TXLM_DATA_DIR", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["HF_HUB_OFFLINE"] = "1"  # `convert --from hf NAME` must never reach the real Hub
-    return env
+class Forked:
+    """A ``python -m txlm`` child forked by the warm runner: the same code path as a real
+    process without an interpreter and torch start-up per run. Popen-like where tests need it."""
+
+    def __init__(
+        self, runner: Runner, argv: list[str], cwd: Path, io_dir: Path, env: dict[str, str]
+    ) -> None:
+        self.runner = runner
+        self.pid = runner.start(argv, cwd, io_dir, env, timeout=600)
+        self.returncode: int | None = None
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        if self.returncode is None:
+            self.returncode, self._out, self._err = self.runner.wait()
+        return self._out, self._err
+
+
+class Pause:
+    """The test side of the seam's ``pause`` action (``txlm.atomic``): two FIFOs in
+    ``folder``. The child writes a line to ``ready`` when it reaches its fault point and
+    then blocks until ``release`` is opened for writing. Waiting needs no timer: ``select``
+    wakes when the line arrives or when the child ends (a pidfd), whichever comes first."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        os.mkfifo(folder / "ready")
+        os.mkfifo(folder / "release")
+        # Open before the child starts, without blocking: its write then never waits.
+        self._ready = os.open(folder / "ready", os.O_RDONLY | os.O_NONBLOCK)
+
+    def env(self, spec: str) -> dict[str, str]:
+        return {"TXLM_FAULT": spec, "TXLM_FAULT_DIR": str(self.folder)}
+
+    def wait(self, pid: int, timeout: float = 600) -> str:
+        """The ``TARGET:STAGE PID`` line of the paused child; fails if it ended first."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # already gone: only a line written before counts
+            ready, _, _ = select.select([self._ready], [], [], 0)
+        else:
+            try:
+                ready, _, _ = select.select([self._ready, pidfd], [], [], timeout)
+            finally:
+                os.close(pidfd)
+        line = os.read(self._ready, 4096).decode() if self._ready in ready else ""
+        if not line:
+            raise AssertionError(
+                "the process ended before its pause point" if ready else "no pause in time"
+            )
+        return line.strip()
+
+    def release(self) -> None:
+        os.close(os.open(self.folder / "release", os.O_WRONLY))
+
+    def close(self) -> None:
+        os.close(self._ready)
+
+
+def wait_for_text(path: Path, text: str, pid: int, timeout: float = 600) -> None:
+    """Until ``text`` is in ``path`` (a child's output: once written it stays), failing if
+    the child ends first. Each look waits on the child's pidfd, so its end wakes us."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        for _ in range(int(timeout / 0.05)):
+            if path.exists() and text in path.read_text(errors="replace"):
+                return
+            ended, _, _ = select.select([pidfd], [], [], 0.05)
+            if ended and not (path.exists() and text in path.read_text(errors="replace")):
+                raise AssertionError(f"the process ended before writing {text!r} to {path}")
+    finally:
+        os.close(pidfd)
+    raise AssertionError(f"{text!r} did not appear in {path}")

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import txlm
+from conftest import subprocess_env
 from txlm.data import Vocab, prepare_dataset
 
 
@@ -30,10 +31,9 @@ def env(tmp_path_factory):
 
 
 def _txlm(env, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "TXLM_DATA_DIR": str(env / "data")}
     return subprocess.run(
         [sys.executable, "-m", "txlm", *args],
-        capture_output=True, text=True, timeout=timeout, env=environ,
+        capture_output=True, text=True, timeout=timeout, env=subprocess_env(env / "data"),
     )  # fmt: skip
 
 

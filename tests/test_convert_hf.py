@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import warnings
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -14,36 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import txlm
+from conftest import TINY_HF as SMALL
+from conftest import save_tiny_hf as make_hf
 from txlm.cli import main
 from txlm.convert import convert_hf, hf_config_to_model_config, hf_name_to_txlm
 from txlm.errors import CheckpointError
 
 pytest.importorskip("transformers")
-from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
-SMALL = dict(
-    vocab_size=40,
-    cutoffs=[10, 25],
-    d_model=16,
-    d_embed=16,
-    n_head=2,
-    d_head=8,
-    d_inner=24,
-    div_val=2,
-    n_layer=2,
-    mem_len=6,
-    untie_r=True,
-)
 SYMBOLS = ["<eos>", "<unk>", *[f"w{i}" for i in range(38)]]
-
-
-def make_hf(directory: Path, *, safe: bool = True, **overrides) -> TransfoXLLMHeadModel:
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = TransfoXLLMHeadModel(TransfoXLConfig(**{**SMALL, **overrides}))
-    model.save_pretrained(directory, safe_serialization=safe)
-    return model
 
 
 def edit_config(directory: Path, **changes) -> None:

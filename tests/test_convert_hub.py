@@ -9,37 +9,26 @@ as for a local folder), an unknown repository, offline without a cache.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import save_tiny_hf
 from hub_server import HubServer, Repo
 from reliability_helpers import evil_torch_zip
 from txlm.cli import main
 
 pytest.importorskip("transformers")
 pytest.importorskip("huggingface_hub")
-from transformers import TransfoXLConfig, TransfoXLLMHeadModel
-
-SMALL = dict(
-    vocab_size=40, cutoffs=[], d_model=16, d_embed=16, n_head=2, d_head=8, d_inner=32,
-    div_val=1, n_layer=1, mem_len=8,
-)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def hf_files(tmp_path_factory) -> dict[str, bytes]:
     """A real TransfoXL checkpoint (pytorch_model.bin, the layout of transfo-xl-wt103)."""
     folder = tmp_path_factory.mktemp("hf")
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        TransfoXLLMHeadModel(TransfoXLConfig(**SMALL)).save_pretrained(
-            folder, safe_serialization=False
-        )
+    save_tiny_hf(folder, safe=False)
     return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
 from txlm.cli import main
 from txlm.data import load_prepared, prepare_dataset, splits
 from txlm.data.corpora import SHAKESPEARE_TEST, SHAKESPEARE_VALID, shakespeare_files
@@ -171,7 +172,7 @@ def test_vocabulary_that_does_not_match_the_data(shakespeare, tmp_path, capsys):
 def test_cli_subprocess_end_to_end(tmp_path):
     f = tmp_path / "t.txt"
     f.write_text("hello world\n" * 300, encoding="utf-8")
-    env = {**os.environ, "TXLM_DATA_DIR": str(tmp_path / "d")}
+    env = subprocess_env(tmp_path / "d")
     cmd = [sys.executable, "-m", "txlm", "prepare", f"text:{f}", "--json", "--no-progress"]
     ok = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert ok.returncode == 0, ok.stderr

@@ -7,7 +7,6 @@ subprocess. The happy paths run the installed CLI as a user would.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 import txlm
+from conftest import subprocess_env
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
@@ -60,7 +60,7 @@ def word_ckpt(tmp_path_factory) -> Path:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = subprocess_env()
     return subprocess.run(
         [sys.executable, "-m", "txlm", *argv],
         capture_output=True, text=True, timeout=120, env=env,

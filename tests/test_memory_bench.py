@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import txlm
+from conftest import subprocess_env
 from txlm.analysis.ablation import variants
 from txlm.analysis.memory import (
     bench_variants,
@@ -96,7 +97,7 @@ def test_copy_profile_scores_each_copy_once_at_its_stream_position():
 
 
 def test_bench_memory_command(tmp_path):
-    env = {**os.environ, "TXLM_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    env = subprocess_env(tmp_path / "data")
     out = tmp_path / "out"
     r = subprocess.run(
         [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK,

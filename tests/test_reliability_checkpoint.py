@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +21,10 @@ from safetensors.torch import save_file
 
 import txlm
 from reliability_helpers import evil_os_system_pickle, evil_pickle, evil_torch_zip, snapshot
+from txlm import atomic
 from txlm.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
-    atomic_directory,
     load,
     read_config,
     resolve,
@@ -398,12 +399,14 @@ def test_interrupted_swap_falls_back_to_old(good: Path, tmp_path: Path) -> None:
 def test_atomic_directory_over_file_parent_fails_cleanly(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(OSError):
-        atomic_directory(blocker / "ckpt", lambda tmp: None)
+    with pytest.raises(OSError), atomic.directory(blocker / "ckpt"):
+        pass
     assert blocker.read_text() == "x"
 
 
-# -- crash at every step of a checkpoint swap ------------------------------------------------
+# -- SIGKILL at every stage of two writes (the fault seam, txlm.atomic) ------------------------
+
+STAGES = ["made", "file:a", "file:b", "swap", "between", "placed"]
 
 
 def _write_version(version: str) -> Callable[[Path], None]:
@@ -414,6 +417,11 @@ def _write_version(version: str) -> Callable[[Path], None]:
     return fill
 
 
+def _write(target: Path, version: str) -> None:
+    with atomic.directory(target) as tmp:
+        _write_version(version)(tmp)
+
+
 def _complete_version(target: Path) -> str:
     """The version a reader finds through resolve(); it must be whole (a and b agree)."""
     d = resolve(target)
@@ -422,69 +430,100 @@ def _complete_version(target: Path) -> str:
     return a
 
 
-def _crash_during_swap(target: Path, version: str, crash_at: int) -> bool:
-    """Run atomic_directory in a child that dies (os._exit, no cleanup: like SIGKILL) at its
-    ``crash_at``-th rename/rmtree/fsync call. Returns whether the crash point was reached."""
-    import txlm.checkpoint as ck
-
+def _killed_at(target: Path, version: str, stage: str) -> bool:
+    """Write ``version`` in a forked child told by TXLM_FAULT to SIGKILL itself at ``stage``.
+    True: it died by SIGKILL; False: the write never reached that stage and completed."""
     pid = os.fork()
     if pid == 0:  # the child does no torch work: forking here is safe
-        calls = [0]
-
-        def hook(real):
-            def f(*args, **kwargs):
-                calls[0] += 1
-                if calls[0] == crash_at:
-                    os._exit(17)
-                return real(*args, **kwargs)
-
-            return f
-
-        ck.os.rename = hook(os.rename)  # type: ignore[attr-defined]
-        ck.shutil.rmtree = hook(ck.shutil.rmtree)  # type: ignore[attr-defined]
-        ck.os.fsync = hook(os.fsync)  # type: ignore[attr-defined]
+        code = 1
         try:
-            atomic_directory(target, _write_version(version))
+            os.environ["TXLM_FAULT"] = f"{target.name}:{stage}:kill"
+            _write(target, version)
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) == 17
+    rc = os.waitstatus_to_exitcode(status)
+    assert rc in (0, -signal.SIGKILL), rc
+    return rc == -signal.SIGKILL
+
+
+def _entries(folder: Path) -> list[str]:
+    """The folder's names, temp folders shown as TEMP."""
+    return sorted("TEMP" if p.name.endswith(".tmp") else p.name for p in folder.iterdir())
+
+
+def _after_kill(before: list[str], stage: str) -> list[str]:
+    """What a kill at ``stage`` of a write of ``last`` leaves, from the names ``before``."""
+    whole = [n for n in before if n != "TEMP"]  # a dead writer's temp is removed first
+    if stage in ("made", "file:a", "file:b", "swap"):
+        return sorted([*whole, "TEMP"])
+    if stage == "between":
+        return ["TEMP", "last.old"]
+    return sorted({"last", *(["last.old"] if "last" in whole or "last.old" in whole else [])})
 
 
 @pytest.mark.parametrize("start", ["complete", "after-crashed-swap"])
-def test_crash_at_every_step_of_two_swaps(tmp_path: Path, start: str) -> None:
-    """SIGKILL at any filesystem step of a save, then again at any step of the next save:
-    resolve() always finds a whole checkpoint, the newest or the one before it."""
-    k1 = 1
+def test_sigkill_at_every_stage_of_two_writes(tmp_path: Path, start: str) -> None:
+    """SIGKILL at each stage of a write, then at each stage of the next write: the process
+    dies exactly there (what it leaves is that stage's), and resolve() always finds a whole
+    checkpoint: the old one until the new one is renamed in, then the new one."""
     cases = 0
-    while True:
-        case = tmp_path / f"c{k1}"
+    for s1 in STAGES:
+        case = tmp_path / s1.replace(":", "-")
         target = case / "last"
         if start == "complete":
-            atomic_directory(target, _write_version("v1"))
+            _write(target, "v1")
         else:  # the state a crash between the two renames leaves: only last.old
-            atomic_directory(case / "last.old", _write_version("v1"))
-        if not _crash_during_swap(target, "v2", k1):
-            break  # k1 is past the last step: every crash point has been tried
-        assert _complete_version(target) in ("v1", "v2")
-        k2 = 1
-        while True:
-            sub = tmp_path / f"c{k1}-{k2}"
+            _write(case / "last.old", "v1")
+        before = _entries(case)
+        reachable = s1 != "between" or target.exists()  # no old copy: one rename only
+        assert _killed_at(target, "v2", s1) == reachable, s1
+        if not reachable:
+            continue
+        assert _entries(case) == _after_kill(before, s1), s1
+        v1 = "v2" if s1 == "placed" else "v1"
+        assert _complete_version(target) == v1
+        for s2 in STAGES:
+            sub = tmp_path / f"{case.name}-{s2.replace(':', '-')}"
             shutil.copytree(case, sub, symlinks=True)
-            reached = _crash_during_swap(sub / "last", "v3", k2)
-            assert _complete_version(sub / "last") in (("v1", "v2", "v3"))
+            before = _entries(sub)
+            reachable = s2 != "between" or (sub / "last").exists()
+            assert _killed_at(sub / "last", "v3", s2) == reachable, (s1, s2)
+            if reachable:
+                assert _entries(sub) == _after_kill(before, s2), (s1, s2)
+            placed = s2 == "placed" or not reachable
+            assert _complete_version(sub / "last") == ("v3" if placed else v1), (s1, s2)
             cases += 1
-            if not reached:
-                assert _complete_version(sub / "last") == "v3"
-                break
-            k2 += 1
-        # A later save that is not interrupted cleans up: one dir, no temp dirs left behind.
-        atomic_directory(target, _write_version("v4"))
+        # A later write that is not interrupted cleans up: one dir, no temp dirs left behind.
+        _write(target, "v4")
         assert _complete_version(target) == "v4"
-        assert sorted(p.name for p in case.iterdir()) == ["last"], list(case.iterdir())
-        k1 += 1
-    assert k1 > 4 and cases > 10  # the swap has several steps; all were interrupted
-    print(f"{start}: {k1 - 1} first-save crash points x second-save crash points = {cases}")
+        assert _entries(case) == ["last"]
+    assert cases >= 25
+
+
+def test_interrupt_between_the_renames_puts_the_old_copy_back(tmp_path: Path) -> None:
+    """An exception (a second Ctrl-C) between the renames undoes the write: `last` is back."""
+    target = tmp_path / "last"
+    _write(target, "v1")
+    real = os.rename
+    calls = []
+
+    def rename(src, dst):
+        real(src, dst)
+        calls.append(dst)
+        if len(calls) == 1:  # the old copy has just been moved aside
+            raise KeyboardInterrupt
+
+    import txlm.atomic as at
+
+    at.os.rename = rename  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _write(target, "v2")
+    finally:
+        at.os.rename = real  # type: ignore[attr-defined]
+    assert _entries(tmp_path) == ["last"] and _complete_version(target) == "v1"
 
 
 # -- writability checked before work starts --------------------------------------------------

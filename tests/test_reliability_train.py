@@ -1,37 +1,41 @@
 """Faults during training: SIGKILL, SIGINT/SIGTERM, non-finite losses, failing writes.
 
-The contract (issue 8): a run killed at any moment and resumed from ``last`` ends with
-weights (and optimizer state) bit-identical to an uninterrupted run (CPU, fp32); ``last`` and
-``best`` always load; no checkpoint directory is ever half-written; SIGINT/SIGTERM save and
-exit cleanly, a second SIGINT exits at once; non-finite steps are skipped with a warning and
-too many in a row stop the run with a clear message and the last good checkpoint intact.
+The contract: a run killed at any moment and resumed from ``last`` ends with weights (and
+optimizer state) bit-identical to an uninterrupted run (CPU, fp32); ``last`` and ``best``
+always load; no checkpoint directory is ever half-written; SIGINT/SIGTERM save and exit
+cleanly, a second SIGINT exits at once; non-finite steps are skipped with a warning and too
+many in a row stop the run with a clear message and the last good checkpoint intact.
 
-Real ``python -m txlm train`` subprocesses on a tiny corpus with the ``debug`` preset.
+Real ``python -m txlm train`` runs (forked by the warm runner, or plain subprocesses) on a
+tiny corpus with the ``debug`` preset. The moment of every kill or signal is named through
+the fault seam (``TXLM_FAULT``, ``txlm.atomic``): a stage of a checkpoint write, or the end
+of step k. Nothing waits on a clock.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 import txlm
-from reliability_helpers import Runner, corpus_text
+from conftest import subprocess_env
+from reliability_helpers import Forked, Pause, Runner, corpus_text, wait_for_text
 from txlm.checkpoint import resolve
 from txlm.errors import CheckpointError
 
-HERE = Path(__file__).resolve().parent
 STEPS = 24
+EVAL_EVERY = 2  # validations often enough that `best` is rewritten many times
 TRAIN = [
     "train",
     "--preset",
@@ -40,7 +44,7 @@ TRAIN = [
     "data.dataset=text:corpus.txt",
     f"optim.max_steps={STEPS}",
     "data.batch_size=4",
-    "eval.eval_interval=8",
+    f"eval.eval_interval={EVAL_EVERY}",
     "eval.max_eval_steps=2",
     "eval.final_eval=false",
     "eval.sample_tokens=0",
@@ -48,12 +52,13 @@ TRAIN = [
     "run.progress=false",
     "run.threads=1",
     "run.deterministic=true",
-    "run.save_interval=1",  # `last` is rewritten every step: kills often land inside a write
+    "run.save_interval=1",  # `last` is written after every step
     "run.log_interval=1",
     "--out",
     "run",
 ]
-RESUME_FILES = {
+RESUME = ["train", "--resume", "run/last"]
+LAST_FILES = {
     "config.json",
     "model.safetensors",
     "vocab.json",
@@ -61,66 +66,32 @@ RESUME_FILES = {
     "memory.safetensors",
     "trainer_state.json",
 }
+BEST_FILES = {"config.json", "model.safetensors", "vocab.json"}
 
 
-def _env(work: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env["TXLM_DATA_DIR"] = str(work / "data")
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONWARNINGS"] = "default"
-    return env
+def _env(work: Path, **extra: str) -> dict[str, str]:
+    return {"TXLM_DATA_DIR": str(work / "data"), "PYTHONWARNINGS": "default", **extra}
 
 
-def _start(work: Path, argv: list[str]) -> subprocess.Popen:
+def _start(work: Path, argv: list[str], **extra: str) -> subprocess.Popen:
+    """A real ``python -m txlm`` process (not forked): its own interpreter and handlers."""
     return subprocess.Popen(
         [sys.executable, "-m", "txlm", *argv],
         cwd=work,
-        env=_env(work),
+        env=subprocess_env(**_env(work, **extra)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
-def _finish(proc, timeout: float = 300) -> tuple[int, str, str]:
+def _fork(runner: Runner, work: Path, argv: list[str], io_dir: Path, **extra: str) -> Forked:
+    return Forked(runner, argv, work, io_dir, _env(work, **extra))
+
+
+def _finish(proc, timeout: float = 600) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
-
-
-class _Forked:
-    """A ``python -m txlm`` child forked by the warm runner (see reliability_cli_runner):
-    the same code path without 1.5 s of interpreter and torch start-up per resume."""
-
-    def __init__(self, runner: Runner, work: Path, argv: list[str], io_dir: Path) -> None:
-        env = {"TXLM_DATA_DIR": str(work / "data"), "PYTHONWARNINGS": "default"}
-        self.runner = runner
-        self.pid = runner.start(argv, work, io_dir, env, timeout=300)
-        self.returncode: int | None = None
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                self.returncode, self._out, self._err = self.runner.wait()
-        return self.returncode
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-
-    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
-        if self.returncode is None:
-            self.returncode, self._out, self._err = self.runner.wait()
-        return self._out, self._err
-
-
-@pytest.fixture(scope="module")
-def runner():
-    r = Runner()
-    yield r
-    r.close()
 
 
 def _workdir(tmp_path: Path, name: str) -> Path:
@@ -154,6 +125,10 @@ def _assert_identical(a: Path, b: Path) -> None:
     assert sa["data"] == sb["data"]
 
 
+def _step(directory: Path) -> int:
+    return int(json.loads((directory / "config.json").read_text())["checkpoint"]["step"])
+
+
 def _check_checkpoints(run: Path) -> int | None:
     """``last`` and ``best`` load whenever they exist; ``last`` is whole. Returns last's step."""
     step = None
@@ -165,17 +140,17 @@ def _check_checkpoints(run: Path) -> int | None:
         model = txlm.load(d)
         assert all(torch.isfinite(p).all() for p in model.parameters())
         if kind == "last":
-            assert {p.name for p in d.iterdir()} >= RESUME_FILES, list(d.iterdir())
+            assert {p.name for p in d.iterdir()} == LAST_FILES, list(d.iterdir())
             state = json.loads((d / "trainer_state.json").read_text())
             _tensors(d / "optimizer.safetensors")
             _tensors(d / "memory.safetensors")
             step = int(state["step"])
-    for p in run.iterdir() if run.exists() else []:
-        # Only whole checkpoints carry the names last/best(.old); anything else is a temp dir.
-        assert p.name in {"last", "best", "last.old", "best.old", "metrics.jsonl"} or (
-            p.name.startswith(".") and p.name.endswith(".tmp")
-        ), p
+            assert step == _step(d)
     return step
+
+
+def _temps(run: Path) -> list[Path]:
+    return sorted(run.glob(".*.tmp")) if run.exists() else []
 
 
 @pytest.fixture(scope="module")
@@ -184,78 +159,102 @@ def reference(tmp_path_factory) -> Path:
     work = _workdir(tmp_path_factory.mktemp("ref"), "work")
     rc, _, err = _finish(_start(work, TRAIN))
     assert rc == 0, err
-    return work / "run" / "last"
+    return work / "run"
 
 
-def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 120) -> bool:
-    """Poll every 2 ms; False when the process ended first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(0.002)
-    raise TimeoutError("the training process made no progress")
+def _valid_losses(run: Path) -> dict[int, float]:
+    records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if r["split"] == "valid"}
 
 
-def _last_step(run: Path) -> int:
-    try:
-        return int(json.loads((run / "last" / "trainer_state.json").read_text())["step"])
-    except (OSError, ValueError, KeyError):
-        return -1
+# Every stage of a checkpoint write, in the order the writer reaches them (txlm.atomic).
+def _stages(files: set[str]) -> list[str]:
+    return ["made", *(f"file:{f}" for f in sorted(files)), "swap", "between", "placed"]
 
 
-def _writing(run: Path, kind: str) -> bool:
-    return any(run.glob(f".{kind}.*.tmp")) if run.exists() else False
+def _plan(improving: list[int]) -> list[tuple[str, str, int | None]]:
+    """(TXLM_FAULT target, stage, the step `last` must be at after the kill), in order, each
+    run resuming the one before.
+
+    A kill inside a `last` write leaves the run where it was, so the next resumed process
+    reaches the next stage of the same write (step 2's). `best` is written after `last`, at
+    a validation that improves; a kill there leaves `last` at that step, so each stage comes
+    at the next improving validation (``improving``, from the reference run). The first
+    `best` has no old copy to move aside: `between` comes after `placed` made one.
+    """
+    best = [s for s in _stages(BEST_FILES) if s != "between"] + ["between"]
+    after_placed = [2 if s == "placed" else 1 for s in _stages(LAST_FILES)]
+    rest = [s for s in improving if s > 2]
+    assert len(rest) > len(best), f"too few improving validations after step 2: {improving}"
+    return [
+        ("step", "1", None),  # before any checkpoint exists
+        ("step", "2", 1),  # `last` of step 1 on disk
+        *(("last", s, k) for s, k in zip(_stages(LAST_FILES), after_placed, strict=True)),
+        *(("best", s, k) for s, k in zip(best, rest, strict=False)),
+        ("step", str(rest[len(best)] + 1), rest[len(best)]),
+    ]
+
+
+def _expect_on_disk(run: Path, target: str, stage: str, pid: int, existed: bool) -> None:
+    """What a kill at ``target:stage`` must leave: the old copy (if ``existed``), the new
+    one, or both, and the killed writer's temp folder holding what that stage has written."""
+    names = {p.name for p in run.iterdir()} - {"metrics.jsonl"}
+    temps = _temps(run)
+    if target == "step":
+        # Between two writes: whole checkpoints only (earlier kills' leftovers were removed
+        # by this run's first write), `last` from the step before.
+        assert not temps and not any(n.endswith(".old") for n in names), names
+        return
+    files = LAST_FILES if target == "last" else BEST_FILES
+    if stage == "placed":
+        assert not temps, temps
+    else:
+        assert [t.name for t in temps] == [t.name for t in run.glob(f".{target}.{pid}.*.tmp")]
+        assert len(temps) == 1, temps
+        inside = {p.name for p in temps[0].iterdir()}
+        assert inside == (set() if stage == "made" else files), (stage, inside)
+    new, old = run / target, run / f"{target}.old"
+    if stage == "between":
+        assert not new.exists() and old.is_dir()
+    elif stage == "placed":
+        assert new.is_dir() and old.is_dir() == existed
+        assert not existed or _step(new) > _step(old)
+    else:
+        assert not old.exists() and new.is_dir() == existed
 
 
 @pytest.mark.slow
-def test_sigkill_anywhere_then_resume_is_bit_identical(
+def test_sigkill_at_every_stage_then_resume_is_bit_identical(
     reference: Path, runner: Runner, tmp_path: Path
 ) -> None:
+    """SIGKILL at every stage of a `last` and a `best` write and after given steps; each
+    time exactly that stage's state is on disk, checkpoints load, and the run resumes; the
+    resumed run ends bit for bit where the uninterrupted one did."""
+    valid = _valid_losses(reference)
+    improving = [k for k in sorted(valid) if all(valid[k] < valid[j] for j in valid if j < k)]
     work = _workdir(tmp_path, "work")
     run = work / "run"
-    rng = random.Random(8)
-    # Kill points: before any checkpoint exists, inside a `last` write, at random moments
-    # after given steps, inside a `best` write. Each resumes from whatever is on disk.
-    plan = [
-        ("startup", None),
-        ("in-last-write", 3),
-        ("random", rng.randint(6, 9)),
-        ("in-best-write", 15),
-        ("random", rng.randint(18, 21)),
-    ]
-    kills = 0
     log = []
-    for kind, after in plan:
-        last = _check_checkpoints(run)
-        argv = ["train", "--resume", "run/last"] if last is not None else TRAIN
-        proc = _Forked(runner, work, argv, tmp_path / f"io{kills}")
-        if kind == "startup":
-            time.sleep(rng.uniform(0.05, 0.3))  # data loading, model construction
-            ok = True
-        elif kind == "in-last-write":
-            ok = _wait_for(lambda a=after: _last_step(run) >= a and _writing(run, "last"), proc)
-        elif kind == "in-best-write":
-            ok = _wait_for(lambda a=after: _last_step(run) >= a and _writing(run, "best"), proc)
-        else:
-            ok = _wait_for(lambda a=after: _last_step(run) >= a, proc)
-            time.sleep(rng.uniform(0.0, 0.05))  # somewhere inside the next step or write
-        assert ok and proc.poll() is None, f"{kind}: the run ended before the kill point"
-        proc.kill()  # SIGKILL: no handler, no cleanup
-        proc.communicate()
-        assert proc.returncode == -signal.SIGKILL
-        kills += 1
-        log.append((kind, _check_checkpoints(run)))
-    assert _check_checkpoints(run) is not None
-    rc, _, err = _finish(_Forked(runner, work, ["train", "--resume", "run/last"], tmp_path / "io"))
+    for n, (target, stage, step) in enumerate(_plan(improving)):
+        argv = RESUME if run.exists() and _check_checkpoints(run) is not None else TRAIN
+        existed = (run / target).exists() or (run / f"{target}.old").exists()
+        proc = _fork(runner, work, argv, tmp_path / f"io{n}", TXLM_FAULT=f"{target}:{stage}:kill")
+        rc, _, err = _finish(proc)
+        assert rc == -signal.SIGKILL, f"{target}:{stage}: the run did not die there ({rc}) {err}"
+        _expect_on_disk(run, target, stage, proc.pid, existed)
+        assert _check_checkpoints(run) == step, f"{target}:{stage}"
+        log.append((f"{target}:{stage}", step))
+    rc, _, err = _finish(_fork(runner, work, RESUME, tmp_path / "io"))
     assert rc == 0, err
-    assert kills == len(plan)
-    _assert_identical(reference, resolve(run / "last"))
-    txlm.load(resolve(run / "best"))
-    assert not list(run.glob(".*.tmp")), "a finished run left temp dirs behind"
-    print("kill log (kind, last step on disk after the kill):", log)
+    _assert_identical(reference / "last", resolve(run / "last"))
+    assert _step(run / "best") == _step(reference / "best")
+    ref_best, best = (
+        _tensors(reference / "best" / "model.safetensors"),
+        _tensors(run / "best" / "model.safetensors"),
+    )
+    assert all(torch.equal(ref_best[k], best[k]) for k in ref_best)
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in reference.iterdir())
+    print("kill log (fault, last step on disk after the kill):", log)
 
 
 @pytest.mark.slow
@@ -263,48 +262,61 @@ def test_sigkill_anywhere_then_resume_is_bit_identical(
 def test_signal_saves_and_resume_is_bit_identical(
     reference: Path, runner: Runner, tmp_path: Path, sig
 ) -> None:
+    """The signal arrives while the run is paused after step 5 (of 24): the run saves `last`
+    at exactly that step, exits 128 + signal, says how to resume, and resumes exactly."""
     work = _workdir(tmp_path, "work")
     run = work / "run"
+    pause = Pause(tmp_path / "fault")
+    env = pause.env("step:5:pause")
     # SIGTERM goes to a real `python -m txlm` process; SIGINT to a forked one, which then
     # also resumes (cheaper; both paths run the same code).
     if sig == signal.SIGTERM:
-        proc = _start(work, TRAIN)
+        proc = _start(work, TRAIN, **env)
     else:
-        proc = _Forked(runner, work, TRAIN, tmp_path / "io1")
-    assert _wait_for(lambda: _last_step(run) >= 5, proc)
-    if sig == signal.SIGTERM:
-        proc.send_signal(sig)
-    else:
-        os.kill(proc.pid, sig)
+        proc = _fork(runner, work, TRAIN, tmp_path / "io1", **env)
+    assert pause.wait(proc.pid) == f"step:5 {proc.pid}"
+    proc.send_signal(sig)
+    pause.release()
     rc, out, err = _finish(proc)
+    pause.close()
     assert rc == 128 + sig, err
     assert "Traceback" not in err
     assert signal.Signals(sig).name in err
-    step = _check_checkpoints(run)
-    assert step is not None and 5 <= step < STEPS
+    assert _check_checkpoints(run) == 5
     assert "--resume" in out  # it says how to continue
     if sig == signal.SIGINT:  # one full resume is enough to prove the saved state is exact
-        proc = _Forked(runner, work, ["train", "--resume", "run/last"], tmp_path / "io2")
-        rc, out, err = _finish(proc)
+        rc, out, err = _finish(_fork(runner, work, RESUME, tmp_path / "io2"))
         assert rc == 0, err
-        _assert_identical(reference, resolve(run / "last"))
+        _assert_identical(reference / "last", resolve(run / "last"))
 
 
 @pytest.mark.slow
 def test_second_sigint_exits_at_once_without_damage(runner: Runner, tmp_path: Path) -> None:
+    """Both signals land between the two renames of a `last` write, the worst moment: the
+    second stops the run at once, and the write is undone (the old `last` back in place)."""
     work = _workdir(tmp_path, "work")
     run = work / "run"
-    proc = _Forked(runner, work, TRAIN, tmp_path / "io")
-    # Both signals land while `last` is being written, the worst moment.
-    assert _wait_for(lambda: _last_step(run) >= 3 and _writing(run, "last"), proc)
-    os.kill(proc.pid, signal.SIGINT)
-    os.kill(proc.pid, signal.SIGINT)
-    rc, _, err = _finish(proc, timeout=60)
+    rc, _, err = _finish(_fork(runner, work, [*TRAIN, "--set", "run.stop_at=3"], tmp_path / "a"))
+    assert rc == 0, err
+    assert _check_checkpoints(run) == 3
+    names = sorted(p.name for p in run.iterdir())
+    pause = Pause(tmp_path / "fault")
+    argv = [*RESUME, "--set", "run.stop_at=null"]
+    proc = _fork(runner, work, argv, tmp_path / "io", **pause.env("last:between:pause"))
+    assert pause.wait(proc.pid) == f"last:between {proc.pid}"
+    assert not (run / "last").exists() and _step(run / "last.old") == 3
+    proc.send_signal(signal.SIGINT)
+    # The first SIGINT's handler says so on stderr: then the second is surely a second one
+    # (two signals sent at once can merge into one).
+    stderr = tmp_path / "io" / "stderr"
+    wait_for_text(stderr, "SIGINT received", proc.pid)
+    proc.send_signal(signal.SIGINT)
+    rc, _, err = _finish(proc)
+    pause.close()
     assert rc == 130, err
     assert "Traceback" not in err
-    step = _check_checkpoints(run)
-    assert step is not None and step >= 3
-    assert not list(run.glob(".*.tmp")), "an interrupted write left its temp dir"
+    assert _check_checkpoints(run) == 3
+    assert sorted(p.name for p in run.iterdir()) == names, "the write left something"
 
 
 # -- non-finite losses, in process (a poisoned forward) ---------------------------------------
@@ -419,8 +431,7 @@ def test_divergence_through_the_cli(runner: Runner, tmp_path: Path) -> None:
     """A real blow-up (lr 1e30 makes the loss NaN from step 2): warnings, then exit 2."""
     work = _workdir(tmp_path, "work")
     argv = [*TRAIN[:-2], "optim.lr=1e30", "optim.max_bad_steps=3", "--out", "run"]
-    proc = _Forked(runner, work, argv, tmp_path / "io")
-    rc, _, err = _finish(proc)
+    rc, _, err = _finish(_fork(runner, work, argv, tmp_path / "io"))
     lines = err.strip().splitlines()
     assert rc == 2, err
     assert "Traceback" not in err
@@ -434,33 +445,50 @@ def test_divergence_through_the_cli(runner: Runner, tmp_path: Path) -> None:
 # -- SIGKILL while preparing a dataset ---------------------------------------------------------
 
 
-def _prepare_killed(runner: Runner, tmp_path: Path) -> Path:
-    work = tmp_path / "work"
-    (work / "data").mkdir(parents=True)
-    rng = random.Random(0)
-    lines = ("".join(rng.choice("abcdefgh ") for _ in range(80)) for _ in range(25_000))
-    (work / "big.txt").write_text("\n".join(lines))
-    argv = ["prepare", "text:big.txt", "--no-progress"]
-    proc = _Forked(runner, work, argv, tmp_path / "io1")
-    data = work / "data"
-    assert _wait_for(lambda: any(p.name.startswith(".") for p in data.iterdir()), proc)
-    proc.kill()
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (data / "text-big").exists()  # never a half-built dataset under its name
-    rc, _, err = _finish(_Forked(runner, work, argv, tmp_path / "io2"))
-    assert rc == 0, err
+def test_sigkill_at_every_stage_of_prepare(runner: Runner, tmp_path: Path) -> None:
+    """A prepare killed at each stage of its write never leaves a half-built dataset under
+    its name; a killed rebuild (--force) leaves the old copy or the new one; the next
+    prepare succeeds and removes what the killed ones left."""
     from txlm.data import load_prepared
 
-    corpus = load_prepared(data / "text-big")
-    assert sum(len(corpus.split(s)) for s in ("train", "valid", "test")) == 25_000 * 81 - 1
-    return data
+    work, data = tmp_path / "work", tmp_path / "work" / "data"
+    data.mkdir(parents=True)
+    (work / "c.txt").write_text(corpus_text())
+    argv = ["prepare", "text:c.txt", "--no-progress"]
+    out, old = data / "text-c", data / "text-c.old"
+    rc, _, err = _finish(_fork(runner, work, argv, tmp_path / "first"))
+    assert rc == 0, err
+    files = {p.name for p in out.iterdir()}
+    assert {"train.bin", "valid.bin", "test.bin", "vocab.json", "meta.json"} <= files
+    want = np.array(load_prepared(out).split("train"))
+    shutil.rmtree(out)
 
+    def killed(stage: str, *extra: str) -> list[str]:
+        proc = _fork(runner, work, [*argv, *extra], tmp_path / stage.replace(":", "-"),
+                     TXLM_FAULT=f"text-c:{stage}:kill")  # fmt: skip
+        rc, _, err = _finish(proc)
+        assert rc == -signal.SIGKILL, f"{stage}: {rc} {err}"
+        temps = sorted(p.name for p in data.glob(".text-c.*.tmp"))
+        assert len(temps) == 1 and re.match(rf"\.text-c\.{proc.pid}\.", temps[0]), temps
+        inside = {p.name for p in (data / temps[0]).iterdir()}
+        return sorted(inside)
 
-def test_sigkill_during_prepare_then_prepare_again(runner: Runner, tmp_path: Path) -> None:
-    _prepare_killed(runner, tmp_path)
-
-
-def test_sigkill_during_prepare_leaves_no_temp_folder(runner: Runner, tmp_path: Path) -> None:
-    data = _prepare_killed(runner, tmp_path)
-    assert sorted(p.name for p in data.iterdir()) == ["text-big"]
+    # The first build: nothing under the name at any stage.
+    for stage in ["made", *(f"file:{f}" for f in sorted(files)), "swap"]:
+        inside = killed(stage)
+        assert inside == ([] if stage == "made" else sorted(files)), (stage, inside)
+        assert not out.exists() and not old.exists()
+    rc, _, err = _finish(_fork(runner, work, argv, tmp_path / "again"))
+    assert rc == 0, err
+    assert sorted(p.name for p in data.iterdir()) == ["text-c"]
+    # A rebuild over it: between the renames only the old copy, then both.
+    killed("between", "--force")
+    assert not out.exists() and old.is_dir()
+    rc, _, err = _finish(_fork(runner, work, argv, tmp_path / "after-between"))
+    assert rc == 0, err
+    assert sorted(p.name for p in data.iterdir()) == ["text-c"]
+    proc = _fork(runner, work, [*argv, "--force"], tmp_path / "placed",
+                 TXLM_FAULT="text-c:placed:kill")  # fmt: skip
+    assert _finish(proc)[0] == -signal.SIGKILL
+    assert sorted(p.name for p in data.iterdir()) == ["text-c", "text-c.old"]
+    assert np.array_equal(load_prepared(out).split("train"), want)

@@ -7,13 +7,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import torch
 
-from _train_helpers import FAST, REPO, env, metrics, split_tokens, tiny_text, txlm
+from _train_helpers import FAST, REPO, metrics, split_tokens, tiny_text, txlm
+from conftest import subprocess_env
+from reliability_helpers import Pause
 
 pytestmark = pytest.mark.slow
 
@@ -163,23 +164,23 @@ def test_sigint_saves_last_and_exits_130(run, tmp_path):
         "--set", *FAST, f"data.dataset=text:{text}", "optim.max_steps=100000",
         "run.log_interval=1", "eval.eval_interval=0",
     ]  # fmt: skip
+    pause = Pause(tmp_path / "fault")  # the run waits after step 2 until released
     proc = subprocess.Popen(
-        args, cwd=REPO, env=env(root), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        args, cwd=REPO, env=subprocess_env(root, **pause.env("step:2:pause")),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 240
-        while not (out / "metrics.jsonl").exists() or len(metrics(out)) < 2:
-            assert proc.poll() is None, proc.communicate()[1]
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.2)
+        pause.wait(proc.pid)
         proc.send_signal(signal.SIGINT)
+        pause.release()
         _, err = proc.communicate(timeout=240)
     finally:
+        pause.close()
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     state = json.loads((out / "last" / "trainer_state.json").read_text())
-    assert state["step"] >= 2
+    assert state["step"] == 2
     assert "SIGINT received" in err
     # The interrupted run resumes from where it stopped.
     r = txlm(["train", "--resume", str(out / "last"), "--set",

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from _train_helpers import FAST, REPO, assert_same_run, env, metrics, tiny_text, txlm, weights
+from _train_helpers import FAST, REPO, assert_same_run, metrics, tiny_text, txlm, weights
+from conftest import subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +42,7 @@ def _torchrun(args: list[str], data_dir) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          "-m", "txlm", *args],
-        cwd=REPO, env=env(data_dir), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=subprocess_env(data_dir), capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
 
 
