@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test setup lint format bench clean
+.PHONY: run test stress setup lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,26 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
 	$(BIN)/python -m pytest
+
+# Flake check (slow; CI stays `make test`): the process-level tests (kill, signal, resume,
+# DDP, compile) STRESS_RUNS times in a row while a second copy of the whole suite loads the
+# machine. Stops at the first failing run.
+STRESS_RUNS  ?= 10
+STRESS_TESTS := tests/test_reliability_train.py tests/test_reliability_checkpoint.py \
+	tests/test_train_resume.py tests/test_train_ddp.py tests/test_train_compile.py \
+	tests/test_train_cli.py::test_sigint_saves_last_and_exits_130
+stress: $(STAMP)
+	$(BIN)/txlm prepare shakespeare
+	@scratch=$$(mktemp -d); \
+	setsid sh -c 'while :; do $(BIN)/python -m pytest -q -p no:cacheprovider \
+		--basetemp="$$0/load" >> "$$0/load.log" 2>&1; done' "$$scratch" & loader=$$!; \
+	trap 'kill -- -$$loader 2>/dev/null; rm -rf "$$scratch"' EXIT; \
+	for i in $$(seq $(STRESS_RUNS)); do \
+		$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp="$$scratch/run" \
+			$(STRESS_TESTS) > "$$scratch/run.log" 2>&1 \
+			|| { tail -40 "$$scratch/run.log"; echo "stress: run $$i of $(STRESS_RUNS) FAILED"; exit 1; }; \
+		echo "stress: run $$i of $(STRESS_RUNS) passed: $$(tail -1 "$$scratch/run.log")"; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
