@@ -55,7 +55,7 @@ stress: $(STAMP)
 		--basetemp="$$0/load" >> "$$0/load.log" 2>&1; done' "$$scratch" & loader=$$!; \
 	trap 'kill -- -$$loader 2>/dev/null; rm -rf "$$scratch"' EXIT; \
 	for i in $$(seq $(STRESS_RUNS)); do \
-		$(BIN)/python -m pytest -q -p no:cacheprovider --basetemp="$$scratch/run" \
+		$(BIN)/python -m pytest -p no:cacheprovider --basetemp="$$scratch/run" \
 			$(STRESS_TESTS) > "$$scratch/run.log" 2>&1 \
 			|| { tail -40 "$$scratch/run.log"; echo "stress: run $$i of $(STRESS_RUNS) FAILED"; exit 1; }; \
 		echo "stress: run $$i of $(STRESS_RUNS) passed: $$(tail -1 "$$scratch/run.log")"; \

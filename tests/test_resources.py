@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_helpers import FAST, REPO, env, tiny_text, txlm
+from _train_helpers import FAST, REPO, tiny_text, txlm
+from conftest import subprocess_env
 from reliability_helpers import snapshot
 from txlm import resources
 from txlm.config import ModelConfig
@@ -162,7 +163,7 @@ def test_an_allocation_that_fails_anyway_is_one_line(argv, trained: Path) -> Non
     before = snapshot(trained)
     proc = subprocess.run(
         [sys.executable, "-m", "txlm", *argv, "--threads", "1"],
-        cwd=trained, env=env(trained), preexec_fn=limit, capture_output=True,
+        cwd=trained, env=subprocess_env(trained), preexec_fn=limit, capture_output=True,
         text=True, timeout=300,
     )  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -201,7 +202,7 @@ def test_benchmarks_write_to_a_scratch_folder_by_default(tmp_path: Path) -> None
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "memory_growth.py"), "--engines", "score",
          "--segments", "120", "--warmup", "100", "--sample-every", "100"],
-        cwd=tmp_path, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs" / "bench" / "memory_growth.json").is_file()
@@ -253,7 +254,7 @@ def test_out_of_memory_in_training_keeps_the_last_good_checkpoint(tmp_path: Path
             "eval.final_eval=false"]  # fmt: skip
     proc = subprocess.run(
         [sys.executable, str(tmp_path / "oom.py"), *args],
-        cwd=REPO, env=env(tmp_path), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.returncode == 2, proc.stderr

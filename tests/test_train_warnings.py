@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from _train_helpers import FAST, REPO, env, tiny_text
+from _train_helpers import FAST, REPO, tiny_text
+from conftest import subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +51,7 @@ def test_one_process_run_prints_no_warning(launcher) -> None:
     root, text = launcher
     proc = subprocess.run(
         [sys.executable, str(root / "launch.py"), *_args(text, root / "one")],
-        cwd=REPO, env=env(root), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=subprocess_env(root), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     _check(proc)
 
@@ -60,7 +61,7 @@ def test_two_process_run_prints_no_warning(launcher) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(root / "launch.py"), *_args(text, root / "two")],
-        cwd=REPO, env=env(root), capture_output=True, text=True, timeout=300,
+        cwd=REPO, env=subprocess_env(root), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     _check(proc)
     assert "2 process(es)" in proc.stdout
