@@ -58,7 +58,10 @@ from txlm.convert import hf_config_to_model_config, load_hf_state_dict
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
-from txlm import atomic
+try:
+    from txlm.atomic import write_text
+except ImportError:  # a revision before txlm.atomic (profile_step.py counts old code too)
+    from txlm.data.vocab import write_text_atomic as write_text
 
 try:
     from txlm.decode import CachedDecoder
@@ -480,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = json.dumps(result, indent=2)
     print(text)
-    atomic.write_text(args.out, text + "\n")
+    write_text(args.out, text + "\n")
     return 0
 
 
