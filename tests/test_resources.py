@@ -195,6 +195,17 @@ def test_a_used_out_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
     assert len(steps) == 1  # the old run's records went with it
 
 
+def test_a_run_killed_between_the_renames_still_counts_as_a_used_out(tmp_path: Path) -> None:
+    """A kill between a checkpoint's two renames leaves only ``last.old``: the folder still
+    holds a run, and a fresh run into it is refused (its first save would delete that copy)."""
+    from txlm.commands.train import used_by_another_run
+
+    out = tmp_path / "run"
+    (out / "last.old").mkdir(parents=True)
+    assert used_by_another_run(out, None) == ["last"]
+    assert used_by_another_run(tmp_path / "empty", None) == []
+
+
 def test_benchmarks_write_to_a_scratch_folder_by_default(tmp_path: Path) -> None:
     """Run as the README shows (no --out), a benchmark leaves benchmarks/results/ alone."""
     results = REPO / "benchmarks" / "results"

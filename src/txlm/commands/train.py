@@ -15,6 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from txlm import atomic
 from txlm.commands.options import add_device_options, add_set_option, config_overrides
 from txlm.errors import ConfigError
 
@@ -65,16 +66,21 @@ def used_by_another_run(out: Path, resume: Path | None) -> list[str]:
     the run being resumed: ``--resume out/last``)."""
     if resume is not None and Path(resume).resolve().parent == out.resolve():
         return []
-    return [name for name in RUN_OUTPUTS if (out / name).exists()]
+    # a run killed between the two renames of a checkpoint write holds only NAME.old
+    return [
+        name
+        for name in RUN_OUTPUTS
+        if (out / name).exists() or atomic.previous(out / name).exists()
+    ]
 
 
 def _remove_run(out: Path, names: list[str]) -> None:
     for name in names:
-        path = out / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+        for path in (out / name, atomic.previous(out / name)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
 
 
 def run(args: argparse.Namespace) -> int:

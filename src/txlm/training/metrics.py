@@ -11,14 +11,15 @@ the log reads as text instead of thousands of carriage-return frames.
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
+from txlm import atomic
 from txlm.evaluate import metric_value
 
 METRICS_FILE = "metrics.jsonl"
@@ -49,9 +50,7 @@ class MetricsLog:
             for line in self.path.read_text().splitlines()
             if line.strip() and json.loads(line).get("step", 0) <= step
         ]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.path)
+        atomic.write_text(self.path, "".join(line + "\n" for line in keep))
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -87,10 +86,10 @@ class MetricsLog:
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        tmp = path.with_name(f".{path.name}.tmp.png")
-        fig.savefig(tmp, dpi=100)
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=100)
         plt.close(fig)
-        os.replace(tmp, path)
+        atomic.write_bytes(path, png.getvalue())
 
     def close(self) -> None:
         if self.tb is not None:
