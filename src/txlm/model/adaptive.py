@@ -88,6 +88,8 @@ class AdaptiveLogSoftmax(nn.Module):
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
+        # training loss: tail buckets that hold every token (no host read; see ``nll``)
+        self.static_buckets = False
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
@@ -152,25 +154,121 @@ class AdaptiveLogSoftmax(nn.Module):
         return out
 
     def nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
-        """Negative log-likelihood [N] in input order; 0 where target == ignore_index."""
-        ignore = target == ignore_index
-        target = target.masked_fill(ignore, 0)
-        head = self._head_log_probs(hidden)
-        if not self.n_clusters:
-            nll = -head.gather(1, target[:, None]).squeeze(1)
-            return nll.masked_fill(ignore, 0.0)
+        """Negative log-likelihood [N] in input order; 0 where target == ignore_index.
 
-        cluster = torch.bucketize(
-            target, torch.tensor(self.cutoffs, device=target.device), right=True
-        )  # 0: shortlist, i: tail cluster i
+        Every block of the softmax (the head, each tail cluster) runs as one fused loss
+        (``_BlockNLL``). The tail clusters take their tokens in buckets: one stable sort
+        by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
+        positions from its start (empty slots are masked). Static shapes, no ``nonzero``:
+        under torch.compile (or ``static_buckets``) a bucket holds every token, so any
+        labels fit and nothing is read back to the host; otherwise the sizes are the
+        clusters' token counts, read once.
+        """
+        ignore = target == ignore_index
+        if not self.n_clusters:
+            weight, bias, proj = self._weights(0)
+            x = hidden if proj is None else hidden @ proj
+            return _BlockNLL.apply(x, weight, bias, target.masked_fill(ignore, -1))
+
+        target = target.masked_fill(ignore, 0)
+        # 0: shortlist (or ignored), i: tail cluster i; from Python ints, no device copy
+        cluster = sum((target >= c).long() for c in self.cutoffs)
         head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)
-        nll = -head.gather(1, head_col[:, None]).squeeze(1)
-        for i in range(1, self.n_clusters + 1):
-            lo, _ = self.bounds[i]
-            # Runs on empty selections too, so every parameter is used each step (DDP).
-            idx = ((cluster == i) & ~ignore).nonzero().squeeze(1)
-            logits = self._logits(hidden.index_select(0, idx), *self._weights(i))
-            tail = F.log_softmax(_upcast(logits), dim=-1)
-            picked = tail.gather(1, (target.index_select(0, idx) - lo)[:, None]).squeeze(1)
-            nll = nll.index_add(0, idx, -picked)
-        return nll.masked_fill(ignore, 0.0)
+        blocks = self._blocks()
+        weight, bias, proj = blocks[0]
+        x = hidden if proj is None else hidden @ proj
+        nll = _BlockNLL.apply(x, weight, bias, head_col.masked_fill(ignore, -1))
+
+        n = hidden.size(0)
+        ids = torch.arange(self.n_clusters + 1, device=target.device)
+        counts = (cluster[None, :] == ids[:, None]).sum(1)  # [n_clusters + 1]
+        starts = counts.cumsum(0) - counts
+        order = torch.argsort(cluster, stable=True)
+        if self.static_buckets or torch.compiler.is_compiling():
+            sizes = [n] * self.n_clusters
+        else:
+            sizes = counts[1:].tolist()
+        for i, size in enumerate(sizes, start=1):
+            lo = self.bounds[i][0]
+            slot = torch.arange(size, device=target.device)
+            valid = slot < counts[i]
+            # clamped slots read some other token; they are masked and add 0 below
+            idx = order[(starts[i] + slot).clamp(max=n - 1)]
+            weight, bias, proj = blocks[i]
+            x = hidden.index_select(0, idx)
+            x = x if proj is None else x @ proj
+            local = torch.where(valid, target.index_select(0, idx) - lo, -1)
+            # Runs on empty buckets too, so every parameter is used each step (DDP).
+            nll = nll.scatter_add(0, idx, _BlockNLL.apply(x, weight, bias, local))
+        return nll
+
+    def _blocks(self) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """Weight, bias and projection of each softmax block: the head (shortlist rows and
+        the cluster rows joined), then each tail cluster. A tied div_val 1 weight is cut by
+        one ``split``: its backward joins the blocks' gradients into one buffer, where each
+        slice's backward would fill a full-size zero gradient and add it."""
+        projs = [self.projs[i] if len(self.projs) else None for i in range(len(self.bounds))]
+        if self.div_val == 1:
+            sizes = [hi - lo for lo, hi in self.bounds]
+            weights = self.layers[0].weight.split(sizes)
+            biases = self.layers[0].bias.split(sizes)
+        else:
+            weights = [layer.weight for layer in self.layers]
+            biases = [layer.bias for layer in self.layers]
+        head_w = torch.cat([weights[0], self.cluster_weight])
+        head_b = torch.cat([biases[0], self.cluster_bias])
+        tails = zip(weights[1:], biases[1:], projs[1:], strict=True)
+        return [(head_w, head_b, projs[0]), *tails]
+
+
+CHUNK_ELEMENTS = 1 << 24  # logits of one block's loss held at once (64 MB in float32)
+
+
+class _BlockNLL(torch.autograd.Function):
+    """NLL of one softmax block, -log_softmax(x W^T + b)[target], [n]; target -1: no loss
+    and no gradient (an ignored token or an empty bucket slot).
+
+    The logits' gradient, softmax - onehot, is made in the forward, chunk by chunk over
+    the tokens, and kept in the matmul dtype (so the float32 logits of half-precision
+    training live one chunk at a time, and no [n, R] log-softmax output is saved and
+    walked again). The backward is two products; each token's upstream gradient g scales
+    rows: dx = g (D W), dW = D^T (g x), db = D^T g. Under autocast the matmuls run in its
+    dtype, the block's weight cast once and reused by the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, target: Tensor) -> Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            xc, wc, bc = x.to(dtype), weight.to(dtype), bias.to(dtype)
+            n, rows = x.size(0), weight.size(0)
+            keep = target >= 0
+            tgt = target.clamp(min=0)[:, None]
+            step = max(1, CHUNK_ELEMENTS // max(rows, 1))
+            nll = x.new_zeros(0, dtype=_upcast(xc).dtype)
+            grads, nlls = [xc.new_zeros(0, rows)], [nll]
+            for s in range(0, n, step):
+                logits = torch.addmm(bc, xc[s : s + step], wc.t())
+                logp = torch.log_softmax(_upcast(logits), dim=-1)
+                nlls.append(-logp.gather(1, tgt[s : s + step]).squeeze(1))
+                grad = logp.exp_().scatter_add_(
+                    1, tgt[s : s + step], torch.full_like(tgt[s : s + step], -1, dtype=logp.dtype)
+                )
+                grads.append(grad.mul_(keep[s : s + step, None]).to(dtype))
+            # one chunk (the usual case on a CPU): no copy
+            nll = nlls[-1] if len(nlls) == 2 else torch.cat(nlls)
+            grad = grads[-1] if len(grads) == 2 else torch.cat(grads)
+            ctx.save_for_backward(xc, wc, grad)
+            ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return nll.masked_fill(~keep, 0.0).to(_upcast(xc).dtype)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        xc, wc, grad = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = g.to(xc.dtype)[:, None]
+        dx = (grad @ wc).mul_(g).to(x_dtype)
+        dw = (grad.t() @ (xc * g)).to(w_dtype)
+        db = (grad.t() @ g).squeeze(1).to(b_dtype)
+        return dx, dw, db, None
