@@ -62,7 +62,6 @@ from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
 from txlm.decode import CachedDecoder
 from txlm.model import align
-from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
@@ -139,9 +138,9 @@ def build(
     with contextlib.nullcontext() if exact else torch.device(device):
         model = txlm.TransformerXL(config)
     if padded is None:
-        padded = align.wanted("auto", device, config.d_head)
+        padded = align.wanted("auto", device)
     if padded:
-        pad_heads(model, multiple=8)
+        align.pad_model(model, multiple=8)
     return model.to(device)
 
 

@@ -90,6 +90,8 @@ class AdaptiveLogSoftmax(nn.Module):
         self.shortlist = self.bounds[0][1]
         # training loss: tail buckets that hold every token (no host read; see ``nll``)
         self.static_buckets = False
+        # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
+        self.multiple = 1
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
@@ -115,6 +117,9 @@ class AdaptiveLogSoftmax(nn.Module):
             layer = self.layers[0]
             return layer.weight[lo:hi], layer.bias[lo:hi], proj
         layer = self.layers[i]
+        lo, hi = self.bounds[i]
+        if layer.weight.size(0) != hi - lo:  # padded rows (txlm.model.align)
+            return layer.weight[: hi - lo], layer.bias[: hi - lo], proj
         return layer.weight, layer.bias, proj
 
     @staticmethod
@@ -165,19 +170,19 @@ class AdaptiveLogSoftmax(nn.Module):
         clusters' token counts, read once.
         """
         ignore = target == ignore_index
+        blocks = self._blocks()
         if not self.n_clusters:
-            weight, bias, proj = self._weights(0)
+            weight, bias, proj, real = blocks[0]
             x = hidden if proj is None else hidden @ proj
-            return _BlockNLL.apply(x, weight, bias, target.masked_fill(ignore, -1))
+            return _BlockNLL.apply(x, weight, bias, target.masked_fill(ignore, -1), real)
 
         target = target.masked_fill(ignore, 0)
         # 0: shortlist (or ignored), i: tail cluster i; from Python ints, no device copy
         cluster = sum((target >= c).long() for c in self.cutoffs)
         head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)
-        blocks = self._blocks()
-        weight, bias, proj = blocks[0]
+        weight, bias, proj, real = blocks[0]
         x = hidden if proj is None else hidden @ proj
-        nll = _BlockNLL.apply(x, weight, bias, head_col.masked_fill(ignore, -1))
+        nll = _BlockNLL.apply(x, weight, bias, head_col.masked_fill(ignore, -1), real)
 
         n = hidden.size(0)
         ids = torch.arange(self.n_clusters + 1, device=target.device)
@@ -194,39 +199,50 @@ class AdaptiveLogSoftmax(nn.Module):
             valid = slot < counts[i]
             # clamped slots read some other token; they are masked and add 0 below
             idx = order[(starts[i] + slot).clamp(max=n - 1)]
-            weight, bias, proj = blocks[i]
+            weight, bias, proj, real = blocks[i]
             x = hidden.index_select(0, idx)
             x = x if proj is None else x @ proj
             local = torch.where(valid, target.index_select(0, idx) - lo, -1)
             # Runs on empty buckets too, so every parameter is used each step (DDP).
-            nll = nll.scatter_add(0, idx, _BlockNLL.apply(x, weight, bias, local))
+            nll = nll.scatter_add(0, idx, _BlockNLL.apply(x, weight, bias, local, real))
         return nll
 
-    def _blocks(self) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-        """Weight, bias and projection of each softmax block: the head (shortlist rows and
-        the cluster rows joined), then each tail cluster. A tied div_val 1 weight is cut by
-        one ``split``: its backward joins the blocks' gradients into one buffer, where each
-        slice's backward would fill a full-size zero gradient and add it."""
+    def _blocks(self) -> list[tuple[Tensor, Tensor, Tensor | None, int]]:
+        """Weight, bias, projection and real row count of each softmax block: the head
+        (shortlist rows and the cluster rows joined), then each tail cluster; rows past the
+        real ones are padding (zero, their logits -inf; txlm.model.align). A tied div_val 1
+        weight is cut by one ``split``: its backward joins the blocks' gradients into one
+        buffer, where each slice's backward would fill a full-size zero gradient and add."""
         projs = [self.projs[i] if len(self.projs) else None for i in range(len(self.bounds))]
+        real = [hi - lo for lo, hi in self.bounds]
         if self.div_val == 1:
-            sizes = [hi - lo for lo, hi in self.bounds]
-            weights = self.layers[0].weight.split(sizes)
-            biases = self.layers[0].bias.split(sizes)
+            layer = self.layers[0]
+            sizes = real[:-1] + [real[-1] + layer.weight.size(0) - self.vocab_size]
+            weights, biases = layer.weight.split(sizes), layer.bias.split(sizes)
         else:
             weights = [layer.weight for layer in self.layers]
             biases = [layer.bias for layer in self.layers]
-        head_w = torch.cat([weights[0], self.cluster_weight])
-        head_b = torch.cat([biases[0], self.cluster_bias])
-        tails = zip(weights[1:], biases[1:], projs[1:], strict=True)
-        return [(head_w, head_b, projs[0]), *tails]
+        if not self.n_clusters:
+            return [(weights[0], biases[0], projs[0], real[0])]
+        head = [weights[0], self.cluster_weight]
+        head_b = [biases[0], self.cluster_bias]
+        rows = sum(w.size(0) for w in head)
+        extra = -rows % self.multiple
+        if extra:  # joined anyway: the padding costs no copy of its own
+            head.append(self.cluster_weight.new_zeros(extra, self.cluster_weight.size(1)))
+            head_b.append(self.cluster_bias.new_zeros(extra))
+        blocks = [(torch.cat(head), torch.cat(head_b), projs[0], real[0] + self.n_clusters)]
+        tails = zip(weights[1:], biases[1:], projs[1:], real[1:], strict=True)
+        return [*blocks, *tails]
 
 
 CHUNK_ELEMENTS = 1 << 24  # logits of one block's loss held at once (64 MB in float32)
 
 
 class _BlockNLL(torch.autograd.Function):
-    """NLL of one softmax block, -log_softmax(x W^T + b)[target], [n]; target -1: no loss
-    and no gradient (an ignored token or an empty bucket slot).
+    """NLL of one softmax block, -log_softmax(x W^T + b)[target], [n], over its ``real``
+    first rows (the others are padding); target -1: no loss and no gradient (an ignored
+    token or an empty bucket slot).
 
     The logits' gradient, softmax - onehot, is made in the forward, chunk by chunk over
     the tokens, and kept in the matmul dtype (so the float32 logits of half-precision
@@ -237,7 +253,7 @@ class _BlockNLL(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, target: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, target: Tensor, real: int) -> Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
@@ -246,29 +262,33 @@ class _BlockNLL(torch.autograd.Function):
             keep = target >= 0
             tgt = target.clamp(min=0)[:, None]
             step = max(1, CHUNK_ELEMENTS // max(rows, 1))
-            nll = x.new_zeros(0, dtype=_upcast(xc).dtype)
-            grads, nlls = [xc.new_zeros(0, rows)], [nll]
+            # an empty head first, so that no tokens at all still gives [0] and [0, R]
+            nlls = [x.new_zeros(0, dtype=_upcast(xc).dtype)]
+            grads = [xc.new_zeros(0, rows)]
             for s in range(0, n, step):
+                t = tgt[s : s + step]
                 logits = torch.addmm(bc, xc[s : s + step], wc.t())
+                if real < rows:  # padded rows: no probability, no gradient
+                    logits[:, real:] = float("-inf")
                 logp = torch.log_softmax(_upcast(logits), dim=-1)
-                nlls.append(-logp.gather(1, tgt[s : s + step]).squeeze(1))
-                grad = logp.exp_().scatter_add_(
-                    1, tgt[s : s + step], torch.full_like(tgt[s : s + step], -1, dtype=logp.dtype)
-                )
-                grads.append(grad.mul_(keep[s : s + step, None]).to(dtype))
+                nlls.append(-logp.gather(1, t).squeeze(1))
+                # d nll / d logits = softmax - onehot
+                grad = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=logp.dtype))
+                grads.append(grad.to(dtype))
             # one chunk (the usual case on a CPU): no copy
             nll = nlls[-1] if len(nlls) == 2 else torch.cat(nlls)
             grad = grads[-1] if len(grads) == 2 else torch.cat(grads)
-            ctx.save_for_backward(xc, wc, grad)
-            ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
-        return nll.masked_fill(~keep, 0.0).to(_upcast(xc).dtype)
+        # rows without a target keep their gradient here and get no upstream weight instead
+        ctx.save_for_backward(xc, wc, grad, keep)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return nll.masked_fill(~keep, 0.0)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        xc, wc, grad = ctx.saved_tensors
+        xc, wc, grad, keep = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g = g.to(xc.dtype)[:, None]
+        g = g.masked_fill(~keep, 0.0).to(xc.dtype)[:, None]
         dx = (grad @ wc).mul_(g).to(x_dtype)
         dw = (grad.t() @ (xc * g)).to(w_dtype)
         db = (grad.t() @ g).squeeze(1).to(b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None

@@ -56,8 +56,13 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     """``norm(x)`` without the module call: the same operation, and one fewer Python layer
-    on a path that makes a few per layer and token."""
-    return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    on a path that makes a few per layer and token. A residual stream stored wider than the
+    model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros after."""
+    d = norm.normalized_shape[0]
+    if x.size(-1) == d:
+        return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    out = torch.layer_norm(x[..., :d], norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return F.pad(out, (0, x.size(-1) - d))
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -124,6 +129,8 @@ class RelativeAttention(nn.Module):
     def position_keys(self, pos: Tensor) -> Tensor:
         """Per-distance keys [H, K+1, Dh]: W_kR R for "xl", learned rows for "shaw"."""
         if self.attn_type == "xl":
+            if pos.size(-1) != self.r_net.in_features:  # a padded model dim (align)
+                pos = F.pad(pos, (0, self.r_net.in_features - pos.size(-1)))
             r = self.r_net(pos)  # pos is R [K+1, D]
             return r.unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
         # pos holds distances [K+1]; clip into the table (negative: masked pairs only)
