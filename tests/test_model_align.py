@@ -273,8 +273,8 @@ def test_padded_widths_same_log_probs_and_gradients(overrides) -> None:
 @pytest.mark.parametrize(
     "overrides", [WIDTH_CASES["div1"], WIDTH_CASES["div4"]], ids=["div1", "div4"]
 )
-def test_padded_widths_stay_zero_through_adam(overrides) -> None:
-    plain, padded = width_pair(**overrides)
+def test_padded_widths_stay_zero_through_adam(name) -> None:
+    plain, padded = width_pair(**WIDTH_CASES[name])
     ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(3))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
     for _ in range(3):

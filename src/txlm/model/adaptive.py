@@ -217,7 +217,7 @@ class AdaptiveLogSoftmax(nn.Module):
         real = [hi - lo for lo, hi in self.bounds]
         if self.div_val == 1:
             layer = self.layers[0]
-            sizes = real[:-1] + [real[-1] + layer.weight.size(0) - self.vocab_size]
+            sizes = [*real[:-1], real[-1] + layer.weight.size(0) - self.vocab_size]
             weights, biases = layer.weight.split(sizes), layer.bias.split(sizes)
         else:
             weights = [layer.weight for layer in self.layers]
