@@ -270,9 +270,7 @@ def test_padded_widths_same_log_probs_and_gradients(overrides) -> None:
         grad_is_zero_on_padding(padded, name, p)
 
 
-@pytest.mark.parametrize(
-    "overrides", [WIDTH_CASES["div1"], WIDTH_CASES["div4"]], ids=["div1", "div4"]
-)
+@pytest.mark.parametrize("name", ["div1", "div4"])
 def test_padded_widths_stay_zero_through_adam(name) -> None:
     plain, padded = width_pair(**WIDTH_CASES[name])
     ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(3))

@@ -178,6 +178,13 @@ def pad_heads(model: nn.Module, multiple: int = 8) -> nn.Module:
     return model
 
 
+def pad_keys(model: nn.Module, multiple: int = 8) -> nn.Module:
+    """Attend over keys rounded up to ``multiple`` with masked slots (RelativeAttention)."""
+    for layer in model.layers:
+        layer.attn.key_multiple = multiple
+    return model
+
+
 def pad_widths(model: nn.Module, multiple: int = 8) -> nn.Module:
     """Store d_model, d_inner, a div_val 1 embedding dim and the softmax's blocks rounded up
     to ``multiple`` (zeros added; see the module's docstring)."""
@@ -238,8 +245,9 @@ def pad_widths(model: nn.Module, multiple: int = 8) -> nn.Module:
 
 
 def pad_model(model: nn.Module, multiple: int = 8) -> nn.Module:
-    """``pad_heads`` and ``pad_widths`` (the latter where the encoding allows it)."""
+    """``pad_heads``, ``pad_keys`` and ``pad_widths`` (where the encoding allows it)."""
     pad_heads(model, multiple)
+    pad_keys(model, multiple)
     if model.config.attn_type != "vaswani":
         pad_widths(model, multiple)
     return model

@@ -29,7 +29,7 @@ from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
 
 
-def rel_shift(x: Tensor) -> Tensor:
+def rel_shift(x: Tensor, klen: int | None = None) -> Tensor:
     """Per-distance scores [..., L, K+1] -> per-pair scores [..., L, K].
 
     Column c of ``x`` holds distance K-1-c (the last column, c = K, distance -1). Query i sits
@@ -41,11 +41,15 @@ def rel_shift(x: Tensor) -> Tensor:
 
     Written as flatten + slice + view (not ``as_strided``): the same view, but it never asks
     for the storage offset, which torch.compile cannot trace without a graph break.
+
+    ``klen`` < W - 1 for a wider x [..., L, W] (columns past K: more negative distances,
+    which only masked pairs read): the view then has row stride W - 1, cut to K columns.
     """
-    qlen, kp1 = x.shape[-2:]
-    klen = kp1 - 1
-    flat = x.contiguous().flatten(-2)  # [..., L*(K+1)]
-    return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
+    qlen, width = x.shape[-2:]
+    klen = width - 1 if klen is None else klen
+    flat = x.contiguous().flatten(-2)  # [..., L*W]
+    rows = flat[..., qlen - 1 : qlen - 1 + qlen * (width - 1)].unflatten(-1, (qlen, width - 1))
+    return rows if width - 1 == klen else rows[..., :klen]
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -72,6 +76,26 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
+def _pad_front(
+    rk: Tensor | None, mask: Tensor, front: int, multiple: int
+) -> tuple[Tensor | None, Tensor]:
+    """Position keys and mask for ``front`` masked key slots before [memory; segment].
+
+    The relative shift gives pair (i, j) distance K - L + i - j; with the key axis K' =
+    K + front, slot j' = j + front gets K' - L + i - j' = the real distance. So the shift
+    needs only ``front`` more distances, at the far end (zero keys: the slots are masked),
+    and the bias comes out in its final [.., L, K'] layout, K' a multiple of 8, with no
+    padding or slicing of the [B, H, L, K] tensor (nor of its gradient) by the kernel.
+    The per-distance product gets K' + 1 rounded up to ``multiple`` columns (zero keys for
+    more negative distances, read by masked pairs only), so its output rows are aligned.
+    """
+    if rk is not None:
+        back = -(rk.size(1) + front) % multiple
+        rk = F.pad(rk, (0, 0, front, back))  # [H, W, Dh], W >= K' + 1
+    value = float("-inf") if mask.is_floating_point() else False
+    return rk, F.pad(mask, (front, 0), value=value)
+
+
 class RelativeAttention(nn.Module):
     """One layer's attention, for every encoding of the paper's Table 6 (see config.AttnType)."""
 
@@ -84,6 +108,9 @@ class RelativeAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.dropatt = config.dropatt
         self.scale = 1.0 / math.sqrt(config.d_head)
+        # keys [memory; segment] rounded up to a multiple of this with masked slots in front
+        # (txlm.model.align sets it; 1: as they come)
+        self.key_multiple = 1
         inner = config.n_head * config.d_head
 
         # Rows [0, inner) project queries, [inner, 3 inner) keys and values. One weight so a
@@ -194,8 +221,9 @@ class RelativeAttention(nn.Module):
         if rk is None:
             return mask_bias, False
         qp = _as(q if v is None else q + v.unsqueeze(1), rk.dtype)
-        if cache is None:
-            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2))  # from [B, H, L, K+1]
+        if cache is None:  # from [B, H, L, K+1] (or wider, see _pad_front)
+            klen = rk.size(1) - 1 if mask is None else mask.size(-1)
+            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
         else:  # the cache's position keys are scaled already (TransformerXL.position_table)
             pairs = qp @ rk.transpose(-1, -2)  # [B, H, L, S] per distance, or per slot
             if cache.step.index is not None:
@@ -232,7 +260,14 @@ class RelativeAttention(nn.Module):
         """
         norm = self.norm
         x = layer_norm(norm, h) if self.pre_lnorm else h
-        q, k, val = self._project(x, mem, cache)
+        # aligned keys (key_multiple > 1): for [memory; segment], with the probabilities over
+        # the real keys only when they are asked for
+        aligned = self.key_multiple > 1 and cache is None and mask is not None
+        aligned = aligned and not return_probs
+        front = 0
+        if aligned:
+            front = -(h.size(1) + (0 if mem is None else mem.size(1))) % self.key_multiple
+        q, k, val = self._project(x, mem, cache, front)
 
         u, v = self._position_biases(u, v)
         if cache is not None:
@@ -240,6 +275,8 @@ class RelativeAttention(nn.Module):
         else:
             rk = self.position_keys(pos) if pos is not None else None
             rk = _as(rk, k.dtype) if rk is not None else None
+        if aligned:
+            rk, mask = _pad_front(rk, mask, front, self.key_multiple)
         bias, fresh = self._bias(q, rk, mask, v, cache)
         qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
 
@@ -333,9 +370,10 @@ class RelativeAttention(nn.Module):
         return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *w.norm1)
 
     def _project(
-        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None
+        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None, front: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees.
+        """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees
+        (``front`` zero keys and values first: masked slots that align K, see ``_pad_front``).
 
         One product gives this segment's q, k and v (one ``split``: its backward is a single
         concatenation, where slices would each zero-fill a full-size gradient). The memory
@@ -349,9 +387,14 @@ class RelativeAttention(nn.Module):
             kv = kv.unflatten(-1, (2, self.n_head, self.d_head)).permute(2, 0, 3, 1, 4)
             k, val = cache.write(kv)
             return _as(q, k.dtype), k, val  # attention runs in the cache's dtype
+        parts = [kv]
         if mem is not None and mem.size(1) > 0:
             m = layer_norm(self.norm, mem) if self.pre_lnorm else mem
-            kv = torch.cat([_as(F.linear(m, self._split_qkv()[1]), kv.dtype), kv], dim=1)
+            parts.insert(0, _as(F.linear(m, self._split_qkv()[1]), kv.dtype))
+        if front:  # in the same concatenation: no copy of its own
+            parts.insert(0, kv.new_zeros(kv.size(0), front, kv.size(2)))
+        if len(parts) > 1:
+            kv = torch.cat(parts, dim=1)
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
         return q, k, val
 
