@@ -62,6 +62,11 @@ def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     """``norm(x)`` without the module call: the same operation, and one fewer Python layer
     on a path that makes a few per layer and token. A residual stream stored wider than the
     model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros after."""
+    if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+        # half-precision activations stay half (autocast would return float32); the kernel
+        # keeps its statistics in float32 and reads the float32 weights as they are
+        with torch.autocast(x.device.type, enabled=False):
+            return layer_norm(norm, x)
     d = norm.normalized_shape[0]
     if x.size(-1) == d:
         return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
