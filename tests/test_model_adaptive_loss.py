@@ -80,12 +80,12 @@ def build(overrides) -> TransformerXL:
     return model
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["counted", "static"])
+@pytest.mark.parametrize("buckets", ["counted", "all", 48], ids=["counted", "all", "k"])
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, static) -> None:
+def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, buckets) -> None:
     model = build(overrides)
     sm = model.softmax
-    sm.static_buckets = static
+    sm.buckets = buckets
     n = 150
     hidden = torch.randn(n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     labels = zipf_labels(n, 100, 4, sm.cutoffs)
@@ -105,6 +105,25 @@ def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, static)
     assert got_g.keys() == ref_g.keys()
     for k in ref_g:
         torch.testing.assert_close(got_g[k], ref_g[k], atol=1e-12, rtol=0, msg=k)
+
+
+def test_a_full_bucket_gives_nan_never_a_wrong_loss() -> None:
+    """buckets = k below a cluster's count: that cluster's extra tokens get NaN, every
+    other token its exact loss."""
+    model = build(CASES["div1"])
+    hidden = torch.randn(150, 32, dtype=torch.float64)
+    labels = zipf_labels(150, 100, 4, model.softmax.cutoffs)
+    want = reference_nll(model.softmax, hidden, labels)
+    model.softmax.buckets = 4
+    got = model.softmax.nll(hidden, labels)
+    cluster = torch.bucketize(labels.clamp(min=0), torch.tensor([10, 30, 60]), right=True)
+    over = torch.zeros(150, dtype=torch.bool)
+    for i in (1, 2, 3):
+        members = (cluster == i) & (labels != -100)
+        assert members.sum() > 4
+        over |= members & (members.cumsum(0) > 4)
+    assert got[over].isnan().all()
+    torch.testing.assert_close(got[~over], want[~over], atol=1e-12, rtol=0)
 
 
 def test_chunked_loss_equals_one_chunk(monkeypatch) -> None:
@@ -133,6 +152,7 @@ def test_compiled_adaptive_training_step_is_one_graph_without_breaks() -> None:
                                      d_embed=32)  # fmt: skip
     torch.manual_seed(0)
     model = TransformerXL(config)
+    model.softmax.buckets = "all"
     ids = torch.randint(0, 100, (2, 16))
     labels = zipf_labels(32, 100, 6, config.cutoffs).view(2, 16)
 

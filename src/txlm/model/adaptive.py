@@ -88,8 +88,8 @@ class AdaptiveLogSoftmax(nn.Module):
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
-        # training loss: tail buckets that hold every token (no host read; see ``nll``)
-        self.static_buckets = False
+        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``)
+        self.buckets: str | int = "counted"
         # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
         self.multiple = 1
         if self.n_clusters:
@@ -164,10 +164,15 @@ class AdaptiveLogSoftmax(nn.Module):
         Every block of the softmax (the head, each tail cluster) runs as one fused loss
         (``_BlockNLL``). The tail clusters take their tokens in buckets: one stable sort
         by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
-        positions from its start (empty slots are masked). Static shapes, no ``nonzero``:
-        under torch.compile (or ``static_buckets``) a bucket holds every token, so any
-        labels fit and nothing is read back to the host; otherwise the sizes are the
-        clusters' token counts, read once.
+        positions from its start (empty slots are masked). No ``nonzero``; ``buckets``:
+
+        - "counted": the sizes are the clusters' token counts, read to the host once (the
+          least work; a graph break under torch.compile);
+        - "all": every bucket holds every token: static shapes, nothing read back, one
+          compiled graph, exact for any labels, at N x (tail rows) logits;
+        - k (an int): every bucket holds k tokens: static, nothing read back; a token past
+          a full bucket gets a NaN loss (a visible failure, which the trainer skips as a
+          non-finite step), never a wrong finite one. For a caller that knows its bound.
         """
         ignore = target == ignore_index
         blocks = self._blocks()
@@ -189,10 +194,10 @@ class AdaptiveLogSoftmax(nn.Module):
         counts = (cluster[None, :] == ids[:, None]).sum(1)  # [n_clusters + 1]
         starts = counts.cumsum(0) - counts
         order = torch.argsort(cluster, stable=True)
-        if self.static_buckets or torch.compiler.is_compiling():
-            sizes = [n] * self.n_clusters
-        else:
+        if self.buckets == "counted":
             sizes = counts[1:].tolist()
+        else:
+            sizes = [n if self.buckets == "all" else min(n, int(self.buckets))] * self.n_clusters
         for i, size in enumerate(sizes, start=1):
             lo = self.bounds[i][0]
             slot = torch.arange(size, device=target.device)
@@ -205,6 +210,9 @@ class AdaptiveLogSoftmax(nn.Module):
             local = torch.where(valid, target.index_select(0, idx) - lo, -1)
             # Runs on empty buckets too, so every parameter is used each step (DDP).
             nll = nll.scatter_add(0, idx, _BlockNLL.apply(x, weight, bias, local, real))
+            if size < n:  # tokens that found their bucket full
+                over = (cluster == i) & (torch.cumsum(cluster == i, 0) > size)
+                nll = nll.masked_fill(over, float("nan"))
         return nll
 
     def _blocks(self) -> list[tuple[Tensor, Tensor, Tensor | None, int]]:

@@ -81,10 +81,9 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     )
 
 
-def _pad_front(
-    rk: Tensor | None, mask: Tensor, front: int, multiple: int
-) -> tuple[Tensor | None, Tensor]:
-    """Position keys and mask for ``front`` masked key slots before [memory; segment].
+def _key_padding(klen: int, multiple: int) -> tuple[int, int]:
+    """Masked key slots in front of [memory; segment] and extra distances at the near end
+    that align the key axis K' = K + front and the per-distance width W >= K' + 1.
 
     The relative shift gives pair (i, j) distance K - L + i - j; with the key axis K' =
     K + front, slot j' = j + front gets K' - L + i - j' = the real distance. So the shift
@@ -92,13 +91,10 @@ def _pad_front(
     and the bias comes out in its final [.., L, K'] layout, K' a multiple of 8, with no
     padding or slicing of the [B, H, L, K] tensor (nor of its gradient) by the kernel.
     The per-distance product gets K' + 1 rounded up to ``multiple`` columns (zero keys for
-    more negative distances, read by masked pairs only), so its output rows are aligned.
+    more negative distances, read by masked pairs only), so its rows are aligned too.
     """
-    if rk is not None:
-        back = -(rk.size(1) + front) % multiple
-        rk = F.pad(rk, (0, 0, front, back))  # [H, W, Dh], W >= K' + 1
-    value = float("-inf") if mask.is_floating_point() else False
-    return rk, F.pad(mask, (front, 0), value=value)
+    front = -klen % multiple
+    return front, -(klen + front + 1) % multiple
 
 
 class RelativeAttention(nn.Module):
@@ -226,7 +222,7 @@ class RelativeAttention(nn.Module):
         if rk is None:
             return mask_bias, False
         qp = _as(q if v is None else q + v.unsqueeze(1), rk.dtype)
-        if cache is None:  # from [B, H, L, K+1] (or wider, see _pad_front)
+        if cache is None:  # from [B, H, L, K+1] (or wider, see _key_padding)
             klen = rk.size(1) - 1 if mask is None else mask.size(-1)
             pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
         else:  # the cache's position keys are scaled already (TransformerXL.position_table)
@@ -270,8 +266,13 @@ class RelativeAttention(nn.Module):
         aligned = self.key_multiple > 1 and cache is None and mask is not None
         aligned = aligned and not return_probs
         front = 0
-        if aligned:
-            front = -(h.size(1) + (0 if mem is None else mem.size(1))) % self.key_multiple
+        if aligned:  # see _key_padding
+            klen = h.size(1) + (0 if mem is None else mem.size(1))
+            front, back = _key_padding(klen, self.key_multiple)
+            value = float("-inf") if mask.is_floating_point() else False
+            mask = F.pad(mask, (front, 0), value=value)
+            if pos is not None:  # R [K+1, D] rows or distances [K+1]: for masked pairs only
+                pos = F.pad(pos, (0, 0, front, back) if pos.dim() == 2 else (front, back))
         q, k, val = self._project(x, mem, cache, front)
 
         u, v = self._position_biases(u, v)
@@ -280,8 +281,6 @@ class RelativeAttention(nn.Module):
         else:
             rk = self.position_keys(pos) if pos is not None else None
             rk = _as(rk, k.dtype) if rk is not None else None
-        if aligned:
-            rk, mask = _pad_front(rk, mask, front, self.key_multiple)
         bias, fresh = self._bias(q, rk, mask, v, cache)
         qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
 
@@ -378,7 +377,7 @@ class RelativeAttention(nn.Module):
         self, x: Tensor, mem: Tensor | None, cache: LayerCache | None, front: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees
-        (``front`` zero keys and values first: masked slots that align K, see ``_pad_front``).
+        (``front`` zero keys and values first: masked slots that align K, _key_padding).
 
         One product gives this segment's q, k and v (one ``split``: its backward is a single
         concatenation, where slices would each zero-fill a full-size gradient). The memory
