@@ -291,3 +291,27 @@ def test_padded_widths_stay_zero_through_adam(name) -> None:
         assert not state["exp_avg"][pad].any() and not state["exp_avg_sq"][pad].any(), name
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(padded.state_dict()[k], v, atol=1e-9, rtol=0, msg=k)
+
+
+def test_trainer_with_padded_widths_resumes_across_paddings(tmp_path):
+    """d_model 30 and d_inner 50 (stored as 32 and 56 when padded): a padded run's ``last``
+    (weights, Adam's moments and the memory, all in the real shapes) resumes unpadded, and
+    an unpadded one padded, each continuing the same run as one that never stopped."""
+    from safetensors.torch import load_file
+
+    widths = ("model.d_model=30", "model.d_inner=50")
+    plain = _train(tmp_path, "plain", "run.align_heads=false", *widths)
+    want = plain.model.state_dict()
+    _train(tmp_path, "paused", "run.align_heads=true", "run.stop_at=2", *widths)
+    memory = load_file(str(tmp_path / "paused" / "last" / "memory.safetensors"))
+    assert memory["mems.0"].shape[-1] == 30
+    resumed = _train(tmp_path, "resumed", "run.align_heads=false", *widths,
+                     resume=tmp_path / "paused" / "last")  # fmt: skip
+    _train(tmp_path, "paused2", "run.align_heads=false", "run.stop_at=2", *widths)
+    again = _train(tmp_path, "again", "run.align_heads=true", *widths,
+                   resume=tmp_path / "paused2" / "last")  # fmt: skip
+    assert again.model.layers[0].ff.fc1.weight.shape == (56, 32)
+    assert again.memory.mems[0].shape[-1] == 32
+    for trainer in (resumed, again):
+        for name, value in trainer.model.state_dict().items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
