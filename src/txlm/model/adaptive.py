@@ -226,7 +226,9 @@ class AdaptiveLogSoftmax(nn.Module):
         if self.div_val == 1:
             layer = self.layers[0]
             sizes = [*real[:-1], real[-1] + layer.weight.size(0) - self.vocab_size]
-            weights, biases = layer.weight.split(sizes), layer.bias.split(sizes)
+            weights, biases = [layer.weight], [layer.bias]
+            if len(sizes) > 1:  # (a split's backward is a copy even of one piece)
+                weights, biases = layer.weight.split(sizes), layer.bias.split(sizes)
         else:
             weights = [layer.weight for layer in self.layers]
             biases = [layer.bias for layer in self.layers]
@@ -255,8 +257,8 @@ class _BlockNLL(torch.autograd.Function):
     The logits' gradient, softmax - onehot, is made in the forward, chunk by chunk over
     the tokens, and kept in the matmul dtype (so the float32 logits of half-precision
     training live one chunk at a time, and no [n, R] log-softmax output is saved and
-    walked again). The backward is two products; each token's upstream gradient g scales
-    rows: dx = g (D W), dW = D^T (g x), db = D^T g. Under autocast the matmuls run in its
+    walked again). The backward scales D's rows by each token's upstream gradient g once:
+    dx = (g D) W, dW = (g D)^T x, db = sum of the rows of g D. Under autocast the matmuls run in its
     dtype, the block's weight cast once and reused by the backward.
     """
 
@@ -295,8 +297,10 @@ class _BlockNLL(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         xc, wc, grad, keep = ctx.saved_tensors
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        g = g.masked_fill(~keep, 0.0).to(xc.dtype)[:, None]
-        dx = (grad @ wc).mul_(g).to(x_dtype)
-        dw = (grad.t() @ (xc * g)).to(w_dtype)
-        db = grad.t().mv(g.squeeze(1)).to(b_dtype)  # mv: not counted as a matrix product
-        return dx, dw, db, None, None
+        # the logits' gradient once, then two products and the bias's sum
+        d_logits = grad * g.masked_fill(~keep, 0.0).to(grad.dtype)[:, None]
+        dx = (d_logits @ wc).to(x_dtype)
+        dw = (d_logits.t() @ xc).to(w_dtype)
+        half = grad.dtype in (torch.float16, torch.bfloat16)
+        db = d_logits.sum(0, dtype=torch.float32 if half else None)
+        return dx, dw, db.to(b_dtype), None, None
