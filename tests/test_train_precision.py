@@ -145,7 +145,7 @@ def test_bf16_activations_follow_the_float32_stream_run(tmp_path, monkeypatch):
     activations stays as close to the float32-stream bf16 run as that run is to fp32 (the
     noise of bf16 itself), and on average no farther from fp32 than it."""
     import txlm.training.loop as loop
-    from txlm.train import Trainer
+    from txlm.training import Trainer
 
     def curve(precision: str, activations: bool) -> list[float]:
         monkeypatch.setattr(loop, "ComputeCopy",
@@ -157,7 +157,7 @@ def test_bf16_activations_follow_the_float32_stream_run(tmp_path, monkeypatch):
             "run.tensorboard=false", "run.progress=false", "run.threads=1",
         )  # fmt: skip
         trainer = Trainer(config, tmp_path / f"{precision}-{activations}", echo=False)
-        return [trainer.train_step()["loss"] for _ in range(40)]
+        return [trainer.train_step().loss.item() for _ in range(40)]
 
     fp32, stream32, stream16 = curve("fp32", False), curve("bf16", False), curve("bf16", True)
     assert stream16[-1] < stream16[0] - 0.5  # it learns
