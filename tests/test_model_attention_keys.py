@@ -42,7 +42,8 @@ def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
 
 
 def segments(model: TransformerXL, ids: torch.Tensor, impl: str):
-    model.config = model.config.replace(attn_impl=impl)
+    for layer in model.layers:
+        layer.attn.attn_impl = impl
     out, total = None, 0.0
     resets = [None, torch.tensor([False, True]), torch.tensor([[False] * 3 + [True] + [False] * 3,
                                                                [False] * 7])]  # fmt: skip

@@ -66,12 +66,17 @@ def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
         # half-precision activations stay half (autocast would return float32); the kernel
         # keeps its statistics in float32 and reads the float32 weights as they are
         with torch.autocast(x.device.type, enabled=False):
-            return layer_norm(norm, x)
-    d = norm.normalized_shape[0]
+            return _norm(x, norm.weight, norm.bias, norm.eps)
+    return _norm(x, norm.weight, norm.bias, norm.eps)
+
+
+def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model
+    dim of a residual stream stored wider, txlm.model.align.pad_widths), zeros after."""
+    d = weight.size(0)
     if x.size(-1) == d:
-        return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    out = torch.layer_norm(x[..., :d], norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    return F.pad(out, (0, x.size(-1) - d))
+        return torch.layer_norm(x, (d,), weight, bias, eps)
+    return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -339,9 +344,9 @@ class RelativeAttention(nn.Module):
         """
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
-        act, dim = h.dtype, (h.size(-1),)
+        act = h.dtype
         wdt = w.qkv_t.dtype
-        x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
+        x = _norm(h, *w.norm1) if self.pre_lnorm else h
         qkv = torch.mm(x if wdt == act else x.to(wdt), w.qkv_t)  # [B, 3 I]
         qkv = qkv if wdt == act else qkv.to(act)
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
@@ -371,7 +376,7 @@ class RelativeAttention(nn.Module):
         attn = _as(torch.bmm(probs, values).view(batch, inner), act)
         out = torch.mm(attn if wdt == act else attn.to(wdt), w.out_t)
         out = out if wdt == act else out.to(act)
-        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *w.norm1)
+        return h + out if self.pre_lnorm else _norm(h + out, *w.norm1)
 
     def _project(
         self, x: Tensor, mem: Tensor | None, cache: LayerCache | None, front: int = 0
@@ -442,7 +447,11 @@ class PositionwiseFF(nn.Module):
             w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
             norm = weights.norm2
         dim = (h.size(-1),)
-        x = torch.layer_norm(h, dim, *norm) if self.pre_lnorm else h
+
+        def ln(t: Tensor) -> Tensor:  # training: bf16 activations stay bf16 (layer_norm)
+            return layer_norm(self.norm, t) if weights is None else _norm(t, *norm)
+
+        x = ln(h) if self.pre_lnorm else h
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, dim[0])
@@ -452,4 +461,4 @@ class PositionwiseFF(nn.Module):
         else:
             out = torch.addmm(b2, dropout(out, p, training), w2)
             out = dropout(out.view(h.shape), p, training)
-        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *norm)
+        return h + out if self.pre_lnorm else ln(h + out)
