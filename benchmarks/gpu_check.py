@@ -62,7 +62,6 @@ from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
 from txlm.decode import CachedDecoder
 from txlm.model import align
-from txlm.model.align import pad_heads
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
@@ -113,15 +112,20 @@ def matmul_peak(device: torch.device, name: str, n: int) -> float:
 
 
 def synthetic_stream(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:
-    """[batch, length] ids where each next id is (7 * id + 3) mod a 1000-word subset: easy to
-    learn, so the loss falls within a few dozen steps on a working device path."""
+    """[batch, length] ids over the whole vocabulary with Zipfian frequencies (id = rank,
+    p ~ 1/(id+1), as a frequency-sorted word vocabulary: every adaptive-softmax cluster gets
+    its real share of the tokens), where each token repeats the one before with probability
+    1/2 (the distribution stays Zipfian): the loss falls below the unigram entropy within a
+    few dozen steps on a working device path."""
     g = torch.Generator().manual_seed(seed)
-    period = min(vocab, 1000)
-    ids = torch.empty(batch, length, dtype=torch.long)
-    ids[:, 0] = torch.randint(0, period, (batch,), generator=g)
-    for t in range(1, length):
-        ids[:, t] = (7 * ids[:, t - 1] + 3) % period
-    return ids
+    weights = 1.0 / torch.arange(1, vocab + 1, dtype=torch.float64)
+    draws = torch.multinomial(weights, batch * length, replacement=True, generator=g)
+    draws = draws.view(batch, length)
+    fresh = torch.rand(batch, length, generator=g) < 0.5
+    fresh[:, 0] = True
+    t = torch.arange(length).expand(batch, length)
+    last_fresh = torch.where(fresh, t, 0).cummax(dim=1).values
+    return draws.gather(1, last_fresh)
 
 
 def build(
@@ -139,9 +143,9 @@ def build(
     with contextlib.nullcontext() if exact else torch.device(device):
         model = txlm.TransformerXL(config)
     if padded is None:
-        padded = align.wanted("auto", device, config.d_head)
+        padded = align.wanted("auto", device)
     if padded:
-        pad_heads(model, multiple=8)
+        align.pad_model(model, multiple=8)
     return model.to(device)
 
 
@@ -172,6 +176,40 @@ def parity(config: ModelConfig, device: torch.device) -> float:
             mc, md = oc.mems, od.mems
             worst = max(worst, (oc.log_probs - od.log_probs.cpu()).abs().max().item())
     return worst
+
+
+def aligned_parity(config: ModelConfig, device: torch.device) -> dict:
+    """Correctness of the aligned model on this device's kernels: the same weights stored
+    unpadded and padded (txlm.model.align.pad_model: heads, widths, keys), float32 with
+    TF32 off, two training segments with memory and labels over every cluster: the largest
+    loss and (real-shape) gradient differences. Over 1e-4: an error, like a missed target."""
+    plain = build(config, device, padded=False, exact=True).train()
+    padded = align.pad_model(build(config, device, padded=False, exact=True), 8).train()
+    for m in (plain, padded):
+        for module in m.modules():  # dropout draws differ between the two shapes
+            if hasattr(module, "p"):
+                module.p = 0.0
+    ids = synthetic_stream(config.vocab_size, 2, 2 * config.tgt_len + 1, 5).to(device)
+    losses = []
+    with precision(device, "fp32"):
+        for m in (plain, padded):
+            out, total = None, 0.0
+            for s in range(2):
+                seg = slice(s * config.tgt_len, (s + 1) * config.tgt_len)
+                labels = ids[:, seg.start + 1 : seg.stop + 1]
+                out = m(ids[:, seg], mems=None if out is None else out.mems, labels=labels)
+                total = total + out.losses.sum()
+            total.backward()
+            losses.append(total.item())
+    grads = dict(padded.named_parameters())
+    stripped = {n: align.strip(p.grad, *align.padded_axes(padded).get(n, ()))
+                for n, p in grads.items()}  # fmt: skip
+    worst = max((stripped[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    row = {"loss_diff": abs(losses[0] - losses[1]) / max(abs(losses[0]), 1.0),
+           "max_grad_diff": worst}  # fmt: skip
+    if max(row.values()) > 1e-4:
+        raise AssertionError(f"padded and plain models differ on {device}: {row}")
+    return row
 
 
 def count_flops(fn: Callable[[], object]) -> int:
@@ -353,6 +391,28 @@ def generate(
     return round(rate, 1), torch.stack([r.float().cpu() for r in rows])
 
 
+# kernel (CUDA) or operator (CPU) name fragments per class, matched in this order
+KERNEL_CLASSES = {
+    "optimizer": ("adam", "multi_tensor", "foreach"),
+    "attention": ("fmha", "flash", "attention", "mem_eff", "sdpa"),
+    "gemm": ("gemm", "cutlass", "xmma", "nvjet", "wgmma", "s16816", "cublas", "triton_tem",
+             "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+             "aten::linear"),
+    "copies_and_casts": ("copy", "memcpy", "memset", "cat", "pad", "_to_copy", "fill",
+                         "index", "gather", "scatter", "transpose", "contiguous"),
+}  # fmt: skip
+
+
+def kernel_class(name: str) -> str:
+    """GEMM, attention, copies and casts, optimizer, or element-wise (everything else:
+    activations, reductions, softmax, norms, inductor's fused point-wise kernels)."""
+    low = name.lower()
+    for cls, fragments in KERNEL_CLASSES.items():
+        if any(f in low for f in fragments):
+            return cls
+    return "elementwise"
+
+
 def kernels(fn: Callable[[], object], device: torch.device, top: int = 8) -> dict:
     """Device kernels (CPU: operators) one call of ``fn`` launches, and the costliest."""
     from torch.profiler import ProfilerActivity, profile
@@ -375,9 +435,13 @@ def kernels(fn: Callable[[], object], device: torch.device, top: int = 8) -> dic
         for e in events:
             cost[e.name] += e.cpu_time_total
     total = sum(cost.values())
+    by_class = Counter({c: 0.0 for c in KERNEL_CLASSES})
+    for name, us in cost.items():
+        by_class[kernel_class(name)] += us
     return {
         "count": len(events),
         "busy_ms": round(total / 1e3, 3),
+        "by_class_ms": {c: round(us / 1e3, 3) for c, us in by_class.items()},
         "top": [
             {"name": k[:120], "ms": round(v / 1e3, 3), "share": round(v / max(total, 1e-9), 3)}
             for k, v in cost.most_common(top)
@@ -576,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     config0, batch0 = shapes[first]
 
     run.section("parity_max_abs_logprob_diff_vs_cpu", lambda: parity(config0, device))
+    run.section("aligned_parity", lambda: aligned_parity(config0, device))
     peaks_of = lambda: {p: round(matmul_peak(device, p, peak_n), 1) for p in precisions}  # noqa: E731
     run.section("matmul_peak_gflops", peaks_of)
     peaks = r.get("matmul_peak_gflops") or {p: math.nan for p in precisions}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import sys
@@ -108,6 +109,11 @@ def test_gpu_check_script_runs_on_the_cpu(tmp_path):
         for r in attention["candidates"]
     ]
     assert result["txlm_generate_cli"]["eager"]["tokens_per_s"] > 0
+    # the padded model's correctness section, and the profile's time by kernel class
+    assert result["aligned_parity"]["max_grad_diff"] < 1e-4
+    classes = result["profile"]["train_step_bf16"]["by_class_ms"]
+    assert set(classes) == {"gemm", "attention", "copies_and_casts", "elementwise", "optimizer"}
+    assert classes["gemm"] > 0 and classes["optimizer"] > 0
 
 
 def test_gpu_check_records_a_failing_section_and_goes_on(tmp_path, monkeypatch):
@@ -145,7 +151,19 @@ def test_gpu_check_targets_read_the_measured_figures():
     assert got["fp32 parity with the CPU, max |log p| diff"] == (2e-4, False)
 
 
-def test_gpu_check_synthetic_stream_is_a_fixed_function():
-    ids = gpu_check.synthetic_stream(5000, 3, 40, seed=0)
-    assert ids.shape == (3, 40) and int(ids.max()) < 1000
-    assert torch.equal(ids[:, 1:], (7 * ids[:, :-1] + 3) % 1000)
+def test_gpu_check_synthetic_stream_is_zipfian_over_the_whole_vocabulary():
+    """wt103's vocabulary and cutoffs: each cluster gets its Zipfian share of the tokens
+    (the tail clusters ~ 25% together), half the tokens repeat the one before, and the
+    stream is a function of its seed."""
+    vocab, cutoffs = 267_735, [20_000, 40_000, 200_000]
+    ids = gpu_check.synthetic_stream(vocab, 4, 20_000, seed=0)
+    assert ids.shape == (4, 20_000) and int(ids.min()) >= 0 and int(ids.max()) < vocab
+    assert torch.equal(ids, gpu_check.synthetic_stream(vocab, 4, 20_000, seed=0))
+    harmonic = torch.cumsum(1.0 / torch.arange(1, vocab + 1, dtype=torch.float64), 0)
+    ends = [0, *cutoffs, vocab]
+    for lo, hi in itertools.pairwise(ends):
+        want = float((harmonic[hi - 1] - (harmonic[lo - 1] if lo else 0)) / harmonic[-1])
+        got = float(((ids >= lo) & (ids < hi)).double().mean())
+        assert abs(got - want) < 0.02, (lo, hi, got, want)
+    repeats = float((ids[:, 1:] == ids[:, :-1]).double().mean())
+    assert 0.48 < repeats < 0.53

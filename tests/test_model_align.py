@@ -218,3 +218,100 @@ def test_bf16_training_with_padded_heads_follows_the_unpadded_run(tmp_path):
     want = plain.model.state_dict()
     for name, value in padded.model.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=name)
+
+
+# -- padded widths: d_model, d_inner, the embedding dim and the softmax's blocks -------------
+WIDTH_CASES = {
+    "div1": dict(div_val=1),
+    "div4": dict(div_val=4, d_embed=64),
+    "div1+pre_lnorm+untie_r": dict(div_val=1, pre_lnorm=True, untie_r=True),
+    "div4+same_length": dict(div_val=4, d_embed=64, same_length=True, clamp_len=6),
+    "full_softmax": dict(cutoffs=[], vocab_size=60),
+}
+
+
+def width_pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
+    """float64: d_model 30 -> 32, d_inner 50 -> 56, heads 5 -> 8, the head's 16 + 2 logits
+    -> 24, the last cluster's 60 rows -> 64 (the middle one has 24 already)."""
+    from txlm.model.align import pad_model
+
+    settings = dict(vocab_size=100, cutoffs=[16, 40], d_model=30, d_inner=50, n_head=3,
+                    d_head=5, dropout=0.0, dropatt=0.0)  # fmt: skip
+    config = ModelConfig.from_preset("debug", **{**settings, **overrides})
+    torch.manual_seed(0)
+    plain = TransformerXL(config).double()
+    with torch.no_grad():  # non-zero biases and projections: every term matters
+        for p in plain.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.3)
+    padded = pad_model(copy.deepcopy(plain), multiple=8)
+    assert padded.layers[0].ff.fc1.weight.shape == (56, 32)
+    return plain, padded
+
+
+@pytest.mark.parametrize("overrides", WIDTH_CASES.values(), ids=WIDTH_CASES.keys())
+def test_padded_widths_same_log_probs_and_gradients(overrides) -> None:
+    plain, padded = width_pair(**overrides)
+    vocab = plain.config.vocab_size
+    ids = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(1))
+    ids[0, 1:6] = torch.tensor([17, 41, 99, 59, 20]) % vocab  # every cluster has labels
+    logp_plain, loss_plain = run(plain, ids)
+    logp_padded, loss_padded = run(padded, ids)
+    assert logp_padded.shape == logp_plain.shape
+    torch.testing.assert_close(logp_padded, logp_plain, atol=1e-12, rtol=0)
+    torch.testing.assert_close(loss_padded, loss_plain, atol=1e-12, rtol=0)
+    loss_plain.backward()
+    loss_padded.backward()
+    grads_padded = {n: p.grad for n, p in padded.named_parameters()}
+    stripped = strip_like_state_dict(padded, grads_padded)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(stripped[name], p.grad, atol=1e-12, rtol=0, msg=name)
+    for name, p in padded.named_parameters():
+        grad_is_zero_on_padding(padded, name, p)
+
+
+@pytest.mark.parametrize("name", ["div1", "div4"])
+def test_padded_widths_stay_zero_through_adam(name) -> None:
+    plain, padded = width_pair(**WIDTH_CASES[name])
+    ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(3))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
+    for _ in range(3):
+        for model, opt in zip((plain, padded), opts, strict=True):
+            opt.zero_grad()
+            run(model, ids)[1].backward()
+            opt.step()
+    ones = {n: torch.ones_like(q) for n, q in padded.named_parameters()}
+    fresh = copy.deepcopy(padded)
+    fresh.load_state_dict(strip_like_state_dict(padded, ones))
+    params = dict(padded.named_parameters())
+    for name, p in fresh.named_parameters():
+        pad = p == 0
+        assert not params[name][pad].any(), name  # exactly zero, weights and moments
+        state = opts[1].state[params[name]]
+        assert not state["exp_avg"][pad].any() and not state["exp_avg_sq"][pad].any(), name
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(padded.state_dict()[k], v, atol=1e-9, rtol=0, msg=k)
+
+
+def test_trainer_with_padded_widths_resumes_across_paddings(tmp_path):
+    """d_model 30 and d_inner 50 (stored as 32 and 56 when padded): a padded run's ``last``
+    (weights, Adam's moments and the memory, all in the real shapes) resumes unpadded, and
+    an unpadded one padded, each continuing the same run as one that never stopped."""
+    from safetensors.torch import load_file
+
+    widths = ("model.d_model=30", "model.d_inner=50")
+    plain = _train(tmp_path, "plain", "run.align_heads=false", *widths)
+    want = plain.model.state_dict()
+    _train(tmp_path, "paused", "run.align_heads=true", "run.stop_at=2", *widths)
+    memory = load_file(str(tmp_path / "paused" / "last" / "memory.safetensors"))
+    assert memory["mems.0"].shape[-1] == 30
+    resumed = _train(tmp_path, "resumed", "run.align_heads=false", *widths,
+                     resume=tmp_path / "paused" / "last")  # fmt: skip
+    _train(tmp_path, "paused2", "run.align_heads=false", "run.stop_at=2", *widths)
+    again = _train(tmp_path, "again", "run.align_heads=true", *widths,
+                   resume=tmp_path / "paused2" / "last")  # fmt: skip
+    assert again.model.layers[0].ff.fc1.weight.shape == (56, 32)
+    assert again.memory.mems[0].shape[-1] == 32
+    for trainer in (resumed, again):
+        for name, value in trainer.model.state_dict().items():
+            torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)

@@ -161,13 +161,19 @@ def test_a_step_reads_nothing_back_from_the_device(corpus, tmp_path, monkeypatch
 
 def test_an_adaptive_softmax_step_reads_no_scalar(corpus, tmp_path, monkeypatch):
     """With tail clusters the trainer still reads no scalar; what remains is the adaptive
-    softmax's own ``nonzero`` per tail cluster (the model's, not the trainer's)."""
+    softmax's own read of its clusters' token counts (the model's, not the trainer's), and
+    with static buckets (``softmax.buckets = "all"``) not even that."""
     trainer = _trainer(corpus, tmp_path, "model.cutoffs=[20]", "model.div_val=2")
     trainer.train_step()
     reads = HostReads(monkeypatch)
     with reads:
         trainer.train_step()
-    assert set(reads.calls) <= {"nonzero"}
+    assert dict(reads.calls) == {"tolist": 1}
+    trainer.model.softmax.buckets = "all"
+    static = HostReads(monkeypatch)
+    with static:
+        trainer.train_step()
+    assert dict(static.calls) == {}
 
 
 def test_a_non_finite_step_leaves_weights_and_adam_as_they_were(corpus, tmp_path):

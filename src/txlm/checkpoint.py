@@ -245,8 +245,8 @@ def load(
             f"{weights} does not match its config.json "
             f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
         )
-    if align.wanted(align_heads, device, config.d_head):
-        align.pad_heads(model)
+    if align.wanted(align_heads, device):
+        align.pad_model(model)
     return model.eval()
 
 

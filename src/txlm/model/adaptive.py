@@ -88,6 +88,10 @@ class AdaptiveLogSoftmax(nn.Module):
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
+        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``)
+        self.buckets: str | int = "counted"
+        # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
+        self.multiple = 1
         if self.n_clusters:
             self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, d_embed))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
@@ -113,6 +117,9 @@ class AdaptiveLogSoftmax(nn.Module):
             layer = self.layers[0]
             return layer.weight[lo:hi], layer.bias[lo:hi], proj
         layer = self.layers[i]
+        lo, hi = self.bounds[i]
+        if layer.weight.size(0) != hi - lo:  # padded rows (txlm.model.align)
+            return layer.weight[: hi - lo], layer.bias[: hi - lo], proj
         return layer.weight, layer.bias, proj
 
     @staticmethod
@@ -152,25 +159,148 @@ class AdaptiveLogSoftmax(nn.Module):
         return out
 
     def nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
-        """Negative log-likelihood [N] in input order; 0 where target == ignore_index."""
-        ignore = target == ignore_index
-        target = target.masked_fill(ignore, 0)
-        head = self._head_log_probs(hidden)
-        if not self.n_clusters:
-            nll = -head.gather(1, target[:, None]).squeeze(1)
-            return nll.masked_fill(ignore, 0.0)
+        """Negative log-likelihood [N] in input order; 0 where target == ignore_index.
 
-        cluster = torch.bucketize(
-            target, torch.tensor(self.cutoffs, device=target.device), right=True
-        )  # 0: shortlist, i: tail cluster i
+        Every block of the softmax (the head, each tail cluster) runs as one fused loss
+        (``_BlockNLL``). The tail clusters take their tokens in buckets: one stable sort
+        by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
+        positions from its start (empty slots are masked). No ``nonzero``; ``buckets``:
+
+        - "counted": the sizes are the clusters' token counts, read to the host once (the
+          least work; a graph break under torch.compile);
+        - "all": every bucket holds every token: static shapes, nothing read back, one
+          compiled graph, exact for any labels, at N x (tail rows) logits;
+        - k (an int): every bucket holds k tokens: static, nothing read back; a token past
+          a full bucket gets a NaN loss (a visible failure, which the trainer skips as a
+          non-finite step), never a wrong finite one. For a caller that knows its bound.
+        """
+        ignore = target == ignore_index
+        blocks = self._blocks()
+        if not self.n_clusters:
+            weight, bias, proj, real = blocks[0]
+            x = hidden if proj is None else hidden @ proj
+            return _BlockNLL.apply(x, weight, bias, target.masked_fill(ignore, -1), real)
+
+        target = target.masked_fill(ignore, 0)
+        # 0: shortlist (or ignored), i: tail cluster i; from Python ints, no device copy
+        cluster = sum((target >= c).long() for c in self.cutoffs)
         head_col = torch.where(cluster == 0, target, self.shortlist + cluster - 1)
-        nll = -head.gather(1, head_col[:, None]).squeeze(1)
-        for i in range(1, self.n_clusters + 1):
-            lo, _ = self.bounds[i]
-            # Runs on empty selections too, so every parameter is used each step (DDP).
-            idx = ((cluster == i) & ~ignore).nonzero().squeeze(1)
-            logits = self._logits(hidden.index_select(0, idx), *self._weights(i))
-            tail = F.log_softmax(_upcast(logits), dim=-1)
-            picked = tail.gather(1, (target.index_select(0, idx) - lo)[:, None]).squeeze(1)
-            nll = nll.index_add(0, idx, -picked)
-        return nll.masked_fill(ignore, 0.0)
+        weight, bias, proj, real = blocks[0]
+        x = hidden if proj is None else hidden @ proj
+        nll = _BlockNLL.apply(x, weight, bias, head_col.masked_fill(ignore, -1), real)
+
+        n = hidden.size(0)
+        ids = torch.arange(self.n_clusters + 1, device=target.device)
+        counts = (cluster[None, :] == ids[:, None]).sum(1)  # [n_clusters + 1]
+        starts = counts.cumsum(0) - counts
+        order = torch.argsort(cluster, stable=True)
+        if self.buckets == "counted":
+            sizes = counts[1:].tolist()
+        else:
+            sizes = [n if self.buckets == "all" else min(n, int(self.buckets))] * self.n_clusters
+        for i, size in enumerate(sizes, start=1):
+            lo = self.bounds[i][0]
+            slot = torch.arange(size, device=target.device)
+            valid = slot < counts[i]
+            # clamped slots read some other token; they are masked and add 0 below
+            idx = order[(starts[i] + slot).clamp(max=n - 1)]
+            weight, bias, proj, real = blocks[i]
+            x = hidden.index_select(0, idx)
+            x = x if proj is None else x @ proj
+            local = torch.where(valid, target.index_select(0, idx) - lo, -1)
+            # Runs on empty buckets too, so every parameter is used each step (DDP).
+            nll = nll.scatter_add(0, idx, _BlockNLL.apply(x, weight, bias, local, real))
+            if size < n:  # tokens that found their bucket full
+                over = (cluster == i) & (torch.cumsum(cluster == i, 0) > size)
+                nll = nll.masked_fill(over, float("nan"))
+        return nll
+
+    def _blocks(self) -> list[tuple[Tensor, Tensor, Tensor | None, int]]:
+        """Weight, bias, projection and real row count of each softmax block: the head
+        (shortlist rows and the cluster rows joined), then each tail cluster; rows past the
+        real ones are padding (zero, their logits -inf; txlm.model.align). A tied div_val 1
+        weight is cut by one ``split``: its backward joins the blocks' gradients into one
+        buffer, where each slice's backward would fill a full-size zero gradient and add."""
+        projs = [self.projs[i] if len(self.projs) else None for i in range(len(self.bounds))]
+        real = [hi - lo for lo, hi in self.bounds]
+        if self.div_val == 1:
+            layer = self.layers[0]
+            sizes = [*real[:-1], real[-1] + layer.weight.size(0) - self.vocab_size]
+            weights, biases = [layer.weight], [layer.bias]
+            if len(sizes) > 1:  # (a split's backward is a copy even of one piece)
+                weights, biases = layer.weight.split(sizes), layer.bias.split(sizes)
+        else:
+            weights = [layer.weight for layer in self.layers]
+            biases = [layer.bias for layer in self.layers]
+        if not self.n_clusters:
+            return [(weights[0], biases[0], projs[0], real[0])]
+        head = [weights[0], self.cluster_weight]
+        head_b = [biases[0], self.cluster_bias]
+        rows = sum(w.size(0) for w in head)
+        extra = -rows % self.multiple
+        if extra:  # joined anyway: the padding costs no copy of its own
+            head.append(self.cluster_weight.new_zeros(extra, self.cluster_weight.size(1)))
+            head_b.append(self.cluster_bias.new_zeros(extra))
+        blocks = [(torch.cat(head), torch.cat(head_b), projs[0], real[0] + self.n_clusters)]
+        tails = zip(weights[1:], biases[1:], projs[1:], real[1:], strict=True)
+        return [*blocks, *tails]
+
+
+CHUNK_ELEMENTS = 1 << 24  # logits of one block's loss held at once (64 MB in float32)
+
+
+class _BlockNLL(torch.autograd.Function):
+    """NLL of one softmax block, -log_softmax(x W^T + b)[target], [n], over its ``real``
+    first rows (the others are padding); target -1: no loss and no gradient (an ignored
+    token or an empty bucket slot).
+
+    The logits' gradient, softmax - onehot, is made in the forward, chunk by chunk over
+    the tokens, and kept in the matmul dtype (so the float32 logits of half-precision
+    training live one chunk at a time, and no [n, R] log-softmax output is saved and
+    walked again). The backward scales D's rows by each token's upstream gradient g once:
+    dx = (g D) W, dW = (g D)^T x, db = sum of the rows of g D. Under autocast the matmuls run in its
+    dtype, the block's weight cast once and reused by the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor, target: Tensor, real: int) -> Tensor:
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            xc, wc, bc = x.to(dtype), weight.to(dtype), bias.to(dtype)
+            n, rows = x.size(0), weight.size(0)
+            keep = target >= 0
+            tgt = target.clamp(min=0)[:, None]
+            step = max(1, CHUNK_ELEMENTS // max(rows, 1))
+            # an empty head first, so that no tokens at all still gives [0] and [0, R]
+            nlls = [x.new_zeros(0, dtype=_upcast(xc).dtype)]
+            grads = [xc.new_zeros(0, rows)]
+            for s in range(0, n, step):
+                t = tgt[s : s + step]
+                logits = torch.addmm(bc, xc[s : s + step], wc.t())
+                if real < rows:  # padded rows: no probability, no gradient
+                    logits[:, real:] = float("-inf")
+                logp = torch.log_softmax(_upcast(logits), dim=-1)
+                nlls.append(-logp.gather(1, t).squeeze(1))
+                # d nll / d logits = softmax - onehot
+                grad = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=logp.dtype))
+                grads.append(grad.to(dtype))
+            # one chunk (the usual case on a CPU): no copy
+            nll = nlls[-1] if len(nlls) == 2 else torch.cat(nlls)
+            grad = grads[-1] if len(grads) == 2 else torch.cat(grads)
+        # rows without a target keep their gradient here and get no upstream weight instead
+        ctx.save_for_backward(xc, wc, grad, keep)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype)
+        return nll.masked_fill(~keep, 0.0)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        xc, wc, grad, keep = ctx.saved_tensors
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        # the logits' gradient once, then two products and the bias's sum
+        d_logits = grad * g.masked_fill(~keep, 0.0).to(grad.dtype)[:, None]
+        dx = (d_logits @ wc).to(x_dtype)
+        dw = (d_logits.t() @ xc).to(w_dtype)
+        half = grad.dtype in (torch.float16, torch.bfloat16)
+        db = d_logits.sum(0, dtype=torch.float32 if half else None)
+        return dx, dw, db.to(b_dtype), None, None

@@ -29,7 +29,7 @@ from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
 
 
-def rel_shift(x: Tensor) -> Tensor:
+def rel_shift(x: Tensor, klen: int | None = None) -> Tensor:
     """Per-distance scores [..., L, K+1] -> per-pair scores [..., L, K].
 
     Column c of ``x`` holds distance K-1-c (the last column, c = K, distance -1). Query i sits
@@ -41,11 +41,15 @@ def rel_shift(x: Tensor) -> Tensor:
 
     Written as flatten + slice + view (not ``as_strided``): the same view, but it never asks
     for the storage offset, which torch.compile cannot trace without a graph break.
+
+    ``klen`` < W - 1 for a wider x [..., L, W] (columns past K: more negative distances,
+    which only masked pairs read): the view then has row stride W - 1, cut to K columns.
     """
-    qlen, kp1 = x.shape[-2:]
-    klen = kp1 - 1
-    flat = x.contiguous().flatten(-2)  # [..., L*(K+1)]
-    return flat[..., qlen - 1 : qlen - 1 + qlen * klen].unflatten(-1, (qlen, klen))
+    qlen, width = x.shape[-2:]
+    klen = width - 1 if klen is None else klen
+    flat = x.contiguous().flatten(-2)  # [..., L*W]
+    rows = flat[..., qlen - 1 : qlen - 1 + qlen * (width - 1)].unflatten(-1, (qlen, width - 1))
+    return rows if width - 1 == klen else rows[..., :klen]
 
 
 def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
@@ -56,8 +60,23 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
     """``norm(x)`` without the module call: the same operation, and one fewer Python layer
-    on a path that makes a few per layer and token."""
-    return torch.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    on a path that makes a few per layer and token. A residual stream stored wider than the
+    model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros after."""
+    if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+        # half-precision activations stay half (autocast would return float32); the kernel
+        # keeps its statistics in float32 and reads the float32 weights as they are
+        with torch.autocast(x.device.type, enabled=False):
+            return _norm(x, norm.weight, norm.bias, norm.eps)
+    return _norm(x, norm.weight, norm.bias, norm.eps)
+
+
+def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model
+    dim of a residual stream stored wider, txlm.model.align.pad_widths), zeros after."""
+    d = weight.size(0)
+    if x.size(-1) == d:
+        return torch.layer_norm(x, (d,), weight, bias, eps)
+    return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -65,6 +84,22 @@ def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         ~mask, float("-inf")
     )
+
+
+def _key_padding(klen: int, multiple: int) -> tuple[int, int]:
+    """Masked key slots in front of [memory; segment] and extra distances at the near end
+    that align the key axis K' = K + front and the per-distance width W >= K' + 1.
+
+    The relative shift gives pair (i, j) distance K - L + i - j; with the key axis K' =
+    K + front, slot j' = j + front gets K' - L + i - j' = the real distance. So the shift
+    needs only ``front`` more distances, at the far end (zero keys: the slots are masked),
+    and the bias comes out in its final [.., L, K'] layout, K' a multiple of 8, with no
+    padding or slicing of the [B, H, L, K] tensor (nor of its gradient) by the kernel.
+    The per-distance product gets K' + 1 rounded up to ``multiple`` columns (zero keys for
+    more negative distances, read by masked pairs only), so its rows are aligned too.
+    """
+    front = -klen % multiple
+    return front, -(klen + front + 1) % multiple
 
 
 class RelativeAttention(nn.Module):
@@ -79,6 +114,9 @@ class RelativeAttention(nn.Module):
         self.attn_impl = config.attn_impl
         self.dropatt = config.dropatt
         self.scale = 1.0 / math.sqrt(config.d_head)
+        # keys [memory; segment] rounded up to a multiple of this with masked slots in front
+        # (txlm.model.align sets it; 1: as they come)
+        self.key_multiple = 1
         inner = config.n_head * config.d_head
 
         # Rows [0, inner) project queries, [inner, 3 inner) keys and values. One weight so a
@@ -124,6 +162,8 @@ class RelativeAttention(nn.Module):
     def position_keys(self, pos: Tensor) -> Tensor:
         """Per-distance keys [H, K+1, Dh]: W_kR R for "xl", learned rows for "shaw"."""
         if self.attn_type == "xl":
+            if pos.size(-1) != self.r_net.in_features:  # a padded model dim (align)
+                pos = F.pad(pos, (0, self.r_net.in_features - pos.size(-1)))
             r = self.r_net(pos)  # pos is R [K+1, D]
             return r.unflatten(-1, (self.n_head, self.d_head)).transpose(0, 1)
         # pos holds distances [K+1]; clip into the table (negative: masked pairs only)
@@ -187,8 +227,9 @@ class RelativeAttention(nn.Module):
         if rk is None:
             return mask_bias, False
         qp = _as(q if v is None else q + v.unsqueeze(1), rk.dtype)
-        if cache is None:
-            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2))  # from [B, H, L, K+1]
+        if cache is None:  # from [B, H, L, K+1] (or wider, see _key_padding)
+            klen = rk.size(1) - 1 if mask is None else mask.size(-1)
+            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
         else:  # the cache's position keys are scaled already (TransformerXL.position_table)
             pairs = qp @ rk.transpose(-1, -2)  # [B, H, L, S] per distance, or per slot
             if cache.step.index is not None:
@@ -225,7 +266,19 @@ class RelativeAttention(nn.Module):
         """
         norm = self.norm
         x = layer_norm(norm, h) if self.pre_lnorm else h
-        q, k, val = self._project(x, mem, cache)
+        # aligned keys (key_multiple > 1): for [memory; segment], with the probabilities over
+        # the real keys only when they are asked for
+        aligned = self.key_multiple > 1 and cache is None and mask is not None
+        aligned = aligned and not return_probs
+        front = 0
+        if aligned:  # see _key_padding
+            klen = h.size(1) + (0 if mem is None else mem.size(1))
+            front, back = _key_padding(klen, self.key_multiple)
+            value = float("-inf") if mask.is_floating_point() else False
+            mask = F.pad(mask, (front, 0), value=value)
+            if pos is not None:  # R [K+1, D] rows or distances [K+1]: for masked pairs only
+                pos = F.pad(pos, (0, 0, front, back) if pos.dim() == 2 else (front, back))
+        q, k, val = self._project(x, mem, cache, front)
 
         u, v = self._position_biases(u, v)
         if cache is not None:
@@ -291,9 +344,9 @@ class RelativeAttention(nn.Module):
         """
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
-        act, dim = h.dtype, (h.size(-1),)
+        act = h.dtype
         wdt = w.qkv_t.dtype
-        x = torch.layer_norm(h, dim, *w.norm1) if self.pre_lnorm else h
+        x = _norm(h, *w.norm1) if self.pre_lnorm else h
         qkv = torch.mm(x if wdt == act else x.to(wdt), w.qkv_t)  # [B, 3 I]
         qkv = qkv if wdt == act else qkv.to(act)
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
@@ -323,12 +376,13 @@ class RelativeAttention(nn.Module):
         attn = _as(torch.bmm(probs, values).view(batch, inner), act)
         out = torch.mm(attn if wdt == act else attn.to(wdt), w.out_t)
         out = out if wdt == act else out.to(act)
-        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *w.norm1)
+        return h + out if self.pre_lnorm else _norm(h + out, *w.norm1)
 
     def _project(
-        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None
+        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None, front: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees.
+        """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees
+        (``front`` zero keys and values first: masked slots that align K, _key_padding).
 
         One product gives this segment's q, k and v (one ``split``: its backward is a single
         concatenation, where slices would each zero-fill a full-size gradient). The memory
@@ -342,9 +396,14 @@ class RelativeAttention(nn.Module):
             kv = kv.unflatten(-1, (2, self.n_head, self.d_head)).permute(2, 0, 3, 1, 4)
             k, val = cache.write(kv)
             return _as(q, k.dtype), k, val  # attention runs in the cache's dtype
+        parts = [kv]
         if mem is not None and mem.size(1) > 0:
             m = layer_norm(self.norm, mem) if self.pre_lnorm else mem
-            kv = torch.cat([_as(F.linear(m, self._split_qkv()[1]), kv.dtype), kv], dim=1)
+            parts.insert(0, _as(F.linear(m, self._split_qkv()[1]), kv.dtype))
+        if front:  # in the same concatenation: no copy of its own
+            parts.insert(0, kv.new_zeros(kv.size(0), front, kv.size(2)))
+        if len(parts) > 1:
+            kv = torch.cat(parts, dim=1)
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
         return q, k, val
 
@@ -388,7 +447,11 @@ class PositionwiseFF(nn.Module):
             w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
             norm = weights.norm2
         dim = (h.size(-1),)
-        x = torch.layer_norm(h, dim, *norm) if self.pre_lnorm else h
+
+        def ln(t: Tensor) -> Tensor:  # training: bf16 activations stay bf16 (layer_norm)
+            return layer_norm(self.norm, t) if weights is None else _norm(t, *norm)
+
+        x = ln(h) if self.pre_lnorm else h
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, dim[0])
@@ -398,4 +461,4 @@ class PositionwiseFF(nn.Module):
         else:
             out = torch.addmm(b2, dropout(out, p, training), w2)
             out = dropout(out.view(h.shape), p, training)
-        return h + out if self.pre_lnorm else torch.layer_norm(h + out, dim, *norm)
+        return h + out if self.pre_lnorm else ln(h + out)

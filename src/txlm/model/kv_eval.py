@@ -73,7 +73,8 @@ class CachedEvaluator:
                 lengths=self.lengths,
             )
             # empty hidden-state memory (not None): transform then carries it along
-            h = torch.empty(input_ids.size(0), 0, model.config.d_model, device=input_ids.device)
+            width = model.layers[0].attn.qkv.in_features  # d_model as stored (align)
+            h = torch.empty(input_ids.size(0), 0, width, device=input_ids.device)
             self.mems = [h] * model.config.n_layer
         hidden, self.mems, self.mem_mask = self._transform(
             input_ids, self.mems, reset, self.mem_mask, cache=self.cache

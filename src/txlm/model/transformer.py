@@ -73,6 +73,9 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerXL(nn.Module):
+    # hidden states held in this dtype (None: the embedding's); txlm.training.precision
+    activation_dtype: torch.dtype | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self._config = config
@@ -222,6 +225,8 @@ class TransformerXL(nn.Module):
         device = input_ids.device
 
         h = self.embed(input_ids)
+        if self.activation_dtype is not None:
+            h = h.to(self.activation_dtype)
         if c.attn_type == "vaswani":  # absolute position within the segment
             h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
         if self.training:

@@ -155,8 +155,8 @@ class Trainer:
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
         self.model = TransformerXL(self.model_config).to(self.device)
-        if align.wanted(r.align_heads, self.device, self.model_config.d_head):
-            align.pad_heads(self.model)  # before the optimizer: its state takes these shapes
+        if align.wanted(r.align_heads, self.device):
+            align.pad_model(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
         self.optimizer = self._build_optimizer()
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")

@@ -9,13 +9,18 @@ attention and feed-forward matrices: nearly all the matmul work) are held in bf1
   the copies' bf16 gradients        --once per step-->                 master ``.grad``
 
 so a step casts those weights once, in one fused ``_foreach_copy_`` after the optimizer,
-and their matmuls find the operands already in bf16. Every other parameter (embeddings and
-the tied output layer, layer norms, the u/v biases) is shared with the master, fp32, and
-autocast treats it as before. Autocast stays on around the forward for its per-op policy.
-The forward equals autocast's bit for bit (autocast rounds the same fp32 weights to the same
-bf16 values); the master weights and Adam's state stay fp32; checkpoints hold the master.
-Gradients of several accumulation chunks add up in bf16 before they reach the master (with
-``optim.grad_accum`` = 1 there is nothing to add).
+and their matmuls find the operands already in bf16. The u/v biases get bf16 copies too (a
+float32 u would promote ``q + u`` to float32). Every other parameter (embeddings and the
+tied output layer, layer norms) is shared with the master, fp32: the output layer's loss
+casts only the blocks it uses (``adaptive._BlockNLL``), layer norms read bf16 inputs with
+float32 weights and statistics. Autocast stays on around the forward for its per-op policy.
+
+Activations (``activations=True``, the trainer's): the residual stream, and so the memory,
+is bf16 from the embedding on; LayerNorm returns bf16 (``attention.layer_norm``), so a layer
+reads and writes half the bytes and no matmul input is cast. Only the loss is reduced in
+float32, as before. The master weights and Adam's state stay fp32; checkpoints hold the
+master. Gradients of several accumulation chunks add up in bf16 before they reach the
+master (with ``optim.grad_accum`` = 1 there is nothing to add).
 """
 
 from __future__ import annotations
@@ -29,15 +34,19 @@ from txlm.model import TransformerXL
 
 
 class ComputeCopy:
-    """``model``: ``master`` with its decoder-layer linear parameters in ``dtype``."""
+    """``model``: ``master`` with its decoder-layer linear parameters and u/v in ``dtype``,
+    and with its activations in ``dtype`` when ``activations``."""
 
-    def __init__(self, master: TransformerXL, dtype: torch.dtype) -> None:
+    def __init__(self, master: TransformerXL, dtype: torch.dtype, activations: bool = True) -> None:
         low = {
             id(p)
             for layer in master.layers
             for module in layer.modules()
             if isinstance(module, nn.Linear)
             for p in module.parameters()
+        }
+        low |= {
+            id(p) for name, p in master.named_parameters() if name.rsplit(".", 1)[-1] in ("u", "v")
         }
         # deepcopy with every other parameter pre-placed in its memo: those stay the very
         # same Parameter objects (shared, fp32, their gradients land on the master)
@@ -54,6 +63,8 @@ class ComputeCopy:
             p.data = p.data.to(dtype)
             self.params.append(p)
             self.master_params.append(m)
+        if activations:
+            self.model.activation_dtype = dtype
 
     @torch.no_grad()
     def refresh(self) -> None:
