@@ -226,6 +226,8 @@ WIDTH_CASES = {
     "div4": dict(div_val=4, d_embed=64),
     "div1+pre_lnorm+untie_r": dict(div_val=1, pre_lnorm=True, untie_r=True),
     "div4+same_length": dict(div_val=4, d_embed=64, same_length=True, clamp_len=6),
+    # a shortlist of 20 (stored as 24 rows): the head's cluster logits follow the real rows
+    "div4+unaligned_shortlist": dict(div_val=4, d_embed=64, cutoffs=[20, 40]),
     "full_softmax": dict(cutoffs=[], vocab_size=60),
 }
 

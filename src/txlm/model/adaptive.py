@@ -234,8 +234,11 @@ class AdaptiveLogSoftmax(nn.Module):
             biases = [layer.bias for layer in self.layers]
         if not self.n_clusters:
             return [(weights[0], biases[0], projs[0], real[0])]
-        head = [weights[0], self.cluster_weight]
-        head_b = [biases[0], self.cluster_bias]
+        head_w, head_bias = weights[0], biases[0]
+        if head_w.size(0) != real[0]:  # padded shortlist rows (div_val > 1): the cluster
+            head_w, head_bias = head_w[: real[0]], head_bias[: real[0]]  # rows follow the real
+        head = [head_w, self.cluster_weight]
+        head_b = [head_bias, self.cluster_bias]
         rows = sum(w.size(0) for w in head)
         extra = -rows % self.multiple
         if extra:  # joined anyway: the padding costs no copy of its own
