@@ -98,6 +98,11 @@ def test_token_losses_use_exactly_c_tokens_of_context():
     moved = recl.token_losses(model, changed, [c], targets[4:5])
     assert abs(moved[0, 0] - losses[1, 4]) > 1e-4
     assert model.config.mem_len == 16  # lengths restored
+    model.train()  # a training model is scored without dropout and handed back training
+    assert recl.token_losses(model, stream, [c], targets[4:5])[0, 0] == pytest.approx(
+        losses[1, 4], abs=1e-6
+    )
+    assert model.training
 
 
 def test_group_names_and_contexts_are_checked_in_the_library():

@@ -12,7 +12,7 @@ from txlm.errors import ConfigError
 
 def test_eval_speed_structure_and_one_forward_per_position(tmp_path):
     torch.manual_seed(0)
-    model = TransformerXL(ModelConfig.from_preset("debug"))
+    model = TransformerXL(ModelConfig.from_preset("debug"))  # training mode, as built
     vanilla = speed.vanilla_model_for(model, 24)
     assert vanilla.config.attn_type == "alrfou" and vanilla.config.mem_len == 0
     windows: list[tuple[int, ...]] = []  # the input shape of every vanilla forward
@@ -32,6 +32,7 @@ def test_eval_speed_structure_and_one_forward_per_position(tmp_path):
     assert len(windows) == 2 * per_len
     assert set(windows[:per_len]) == {(1, 12, 32)} and set(windows[per_len:]) == {(1, 24, 32)}
     assert model.config.mem_len == 16 and not model.config.same_length  # restored
+    assert model.training and not vanilla.training  # timed in eval mode, handed back as they came
     assert res.vanilla_sampled and "sample of 3 positions" in res.note
     assert "paper" in speed.format_table(res)
     speed.plot_speed(res, tmp_path / "t9.png")

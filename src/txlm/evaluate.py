@@ -34,6 +34,7 @@ from txlm.data import metrics as _metrics
 from txlm.model import TransformerXL
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.model.lengths import Lengths
+from txlm.model.modes import evaluating
 
 LN2 = math.log(2.0)
 
@@ -148,13 +149,8 @@ def stream_segments(
         hi = min(lo + seg_len, inputs.size(1))
         ids = inputs[:, lo:hi].to(device, non_blocking=True)
         lab = None if labels is None else labels[:, lo:hi].to(device, non_blocking=True)
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad(), autocast(device, precision):
-                out = step(ids, lab, mems, mem_mask, lengths)
-        finally:
-            model.train(was_training)
+        with evaluating(model), torch.no_grad(), autocast(device, precision):
+            out = step(ids, lab, mems, mem_mask, lengths)
         mems, mem_mask = out.mems, out.mem_mask
         seen = 0 if counts is None else int(counts[hi - 1])
         yield Segment(index, lo, ids, lab, seen - done, out)

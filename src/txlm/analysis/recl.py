@@ -38,6 +38,7 @@ import torch
 from txlm.checkpoint import vocab_fingerprint
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
+from txlm.model.modes import evaluating
 
 THRESHOLD = 0.01
 RATIOS = (0.1, 0.5, 1.0)
@@ -232,24 +233,24 @@ def token_losses(
     progress: Callable[[int], None] | None = None,
 ) -> np.ndarray:
     """[C, T] losses l(c, t) (nats): target t scored from exactly the c tokens before it."""
-    ids = torch.as_tensor(stream, dtype=torch.long).flatten()
-    model.eval()
-    device = next(model.parameters()).device
-    out = np.zeros((len(contexts), len(targets)), dtype=np.float64)
-    tgt = torch.as_tensor(targets, dtype=torch.long)
-    # No memory is used or kept: a single window is the whole context.
-    lengths = model.lengths.replace(mem_len=0, same_length=False)
-    for k, c in enumerate(contexts):
-        offsets = torch.arange(-c, 0)
-        for s in range(0, len(tgt), batch_size):
-            t = tgt[s : s + batch_size]
-            windows = ids[t[:, None] + offsets[None, :]].to(device)  # [b, c]
-            hidden, _, _ = model.transform(windows, lengths=lengths)
-            nll = model.softmax.nll(hidden[:, -1], ids[t].to(device))
-            out[k, s : s + len(t)] = nll.double().cpu().numpy()
-            if progress:
-                progress(int(t.numel()) * c)
-    return out
+    with evaluating(model):
+        ids = torch.as_tensor(stream, dtype=torch.long).flatten()
+        device = next(model.parameters()).device
+        out = np.zeros((len(contexts), len(targets)), dtype=np.float64)
+        tgt = torch.as_tensor(targets, dtype=torch.long)
+        # No memory is used or kept: a single window is the whole context.
+        lengths = model.lengths.replace(mem_len=0, same_length=False)
+        for k, c in enumerate(contexts):
+            offsets = torch.arange(-c, 0)
+            for s in range(0, len(tgt), batch_size):
+                t = tgt[s : s + batch_size]
+                windows = ids[t[:, None] + offsets[None, :]].to(device)  # [b, c]
+                hidden, _, _ = model.transform(windows, lengths=lengths)
+                nll = model.softmax.nll(hidden[:, -1], ids[t].to(device))
+                out[k, s : s + len(t)] = nll.double().cpu().numpy()
+                if progress:
+                    progress(int(t.numel()) * c)
+        return out
 
 
 # -- output -----------------------------------------------------------------------------------

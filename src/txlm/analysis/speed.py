@@ -33,6 +33,7 @@ from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
+from txlm.model.modes import evaluating
 
 # The paper's Table 9: attention length -> how many times slower Al-Rfou et al. is (one GPU).
 PAPER_TABLE9: dict[int, float] = {800: 363.0, 1800: 773.0, 2800: 1409.0, 3800: 1874.0}
@@ -164,13 +165,33 @@ def measure_eval_speed(
         raise ConfigError("tgt_len, xl_tokens, vanilla_positions and repeats must be positive")
     if vanilla not in ("alrfou", "same"):
         raise ConfigError(f"vanilla must be 'alrfou' or 'same', got {vanilla!r}")
-    model.eval()
+    with contextlib.ExitStack() as modes:
+        modes.enter_context(evaluating(model))
+        if vanilla_model is not None:  # the caller's, returned in its own mode too
+            modes.enter_context(evaluating(vanilla_model))
+        return _measure(
+            model, attn_lens, tgt_len, xl_tokens, vanilla_positions, vanilla, vanilla_model,
+            repeats, seed, progress,
+        )  # fmt: skip
+
+
+def _measure(
+    model: TransformerXL,
+    attn_lens: Sequence[int],
+    tgt_len: int,
+    xl_tokens: int,
+    vanilla_positions: int,
+    vanilla: str,
+    vanilla_model: TransformerXL | None,
+    repeats: int,
+    seed: int,
+    progress: Callable[[str], None] | None,
+) -> SpeedResult:
     p = next(model.parameters())
     device = p.device
     max_a = max(attn_lens)
     if vanilla_model is None:
         vanilla_model = vanilla_model_for(model, max_a) if vanilla == "alrfou" else model
-    vanilla_model.eval()
 
     # One synthetic stream long enough for the longest run; token identity does not change time.
     n_seg = -(-xl_tokens // tgt_len)
