@@ -40,13 +40,11 @@ Every collective gets tensors on the training device: NCCL accepts no others.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +58,7 @@ from txlm.config import ModelConfig
 from txlm.data import SentenceStreamIterator, StreamIterator, open_corpus
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
-from txlm.evaluate import autocast, evaluate_tokens
+from txlm.evaluate import evaluate_tokens
 from txlm.model import TransformerXL, align
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
@@ -72,43 +70,17 @@ from txlm.training.sample import sample_text
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
 from txlm.training.state import RNG, Counters, Memory
+from txlm.training.step import (
+    StepStats,
+    Update,
+    buckets,
+    compile_wanted,
+    forward_backward,
+    graphs_compiled,
+    token_scale,
+)
 
 RESULTS_FILE = "results.json"
-
-
-def compile_wanted(setting: bool | str, device: torch.device) -> bool:
-    """``run.compile``: true, false, or auto (on for CUDA, where it pays; off on CPU, where
-    inductor's training step was measured slower than eager)."""
-    if setting == "auto":
-        return device.type == "cuda"
-    return bool(setting)
-
-
-def graphs_compiled() -> int:
-    """How many graphs torch.compile has built in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-@dataclass
-class StepStats:
-    """One step's numbers as ``Trainer.train_step`` leaves them: tensors on the device, 0-d,
-    until ``read``."""
-
-    step: int  # the step's number (1-based)
-    lr: float
-    loss: Tensor  # mean token loss of the global batch
-    grad_norm: Tensor  # before clipping
-    tokens: Tensor  # labelled tokens of the global batch
-    finite: Tensor  # bool: the loss (and, but under fp16, the gradient norm) finite; stepped
-
-    def read(self) -> dict[str, float]:
-        """The numbers on the host, in one transfer."""
-        numbers = [self.loss, self.grad_norm, self.tokens, self.finite]
-        loss, grad_norm, tokens, finite = torch.stack([x.double() for x in numbers]).tolist()
-        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "finite": finite,
-                "lr": self.lr}  # fmt: skip
 
 
 class Trainer:
@@ -198,14 +170,23 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(Path(resume))
 
+        self.compiled = compile_wanted(r.compile, self.device)
+        # the tail clusters' buckets, set before the bf16 copy (which copies them)
+        self.model.softmax.buckets = buckets(self.device, self.compiled)
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
         if self.dist.enabled:
             self.forward_model = dist.data_parallel(self.forward_model, self.device)
-        self.compiled = compile_wanted(r.compile, self.device)
         if self.compiled:
             self.forward_model = torch.compile(self.forward_model)
+        self.update = Update(
+            self.optimizer,
+            self.scaler,
+            config.optim.clip,
+            device=self.device,
+            compiled=self.compiled,
+        )
 
     # -- construction -----------------------------------------------------------------------
     def _load_data(self) -> None:
@@ -307,76 +288,21 @@ class Trainer:
         if batch.index == 0:
             self.memory.clear()  # an epoch starts every row afresh
         lr = learning_rate(self.schedule_step(), c.optim)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
         labels = self.objective(batch.labels)
-        local_tokens = (labels != -100).sum().to(self.device, torch.float64)
-        n_global = dist.all_reduce_sum(local_tokens.reshape(1))[0]
-        counted = n_global.clamp(min=1.0)
-        scale = (self.dist.world_size / counted).float()
-        per = labels.size(0) // c.optim.grad_accum
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        parts: list[tuple[list[Tensor], Tensor | None]] = []
-        for i in range(c.optim.grad_accum):
-            rows = slice(i * per, (i + 1) * per)
-            mems, mask = self.memory.chunk(rows)
-            reset = None if batch.reset is None else batch.reset[rows]
-            last = i == c.optim.grad_accum - 1
-            sync = (
-                self.forward_model.no_sync()
-                if self.dist.enabled and not last and hasattr(self.forward_model, "no_sync")
-                else contextlib.nullcontext()
-            )
-            with sync:
-                with autocast(self.device, c.run.precision):
-                    out = self.forward_model(
-                        batch.input_ids[rows],
-                        mems=mems,
-                        reset=reset,
-                        labels=labels[rows],
-                        mem_mask=mask,
-                    )
-                    loss = out.losses.float().sum()
-                self.scaler.scale(loss * scale).backward()
-            loss_sum += loss.detach().to(self.device, torch.float64)
-            parts.append((out.mems, out.mem_mask))
+        n_global, scale = token_scale(labels, self.device, self.dist.world_size)
+        loss_sum, parts = forward_backward(
+            self.forward_model, batch, labels, self.memory, scale=scale, scaler=self.scaler,
+            grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
+        )  # fmt: skip
         if self.compute is not None:
             self.compute.gradients_to_master()
-
-        loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / counted
-        self.scaler.unscale_(self.optimizer)
-        grad_norm = self._clip_gradients()
-        finite = torch.isfinite(loss_global)
-        if not self.scaler.is_enabled():  # fp16: the grad scaler skips its own inf steps
-            finite = finite & torch.isfinite(grad_norm)
-        self._apply_update(finite)
+        loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / n_global.clamp(min=1.0)
+        grad_norm, finite = self.update(lr, torch.isfinite(loss_global))
+        if self.compute is not None:
+            self.compute.refresh()
         self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
         return StepStats(self.counters.step, lr, loss_global, grad_norm, n_global, finite)
-
-    def _clip_gradients(self) -> Tensor:
-        """Scale the gradients to norm ``optim.clip`` at most; returns the norm before."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        clip = self.config.optim.clip
-        if clip > 0:
-            return torch.nn.utils.clip_grad_norm_(params, clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
-
-    def _apply_update(self, finite: Tensor) -> None:
-        """Adam's step where ``finite`` (a device bool) holds; otherwise the weights and
-        Adam's state stay as they were. Decided by the kernel, not by the host."""
-        if self.scaler.is_enabled():
-            self.scaler.step(self.optimizer)  # it hands fused Adam its own found_inf
-            self.scaler.update()
-        else:
-            # fused Adam skips the whole update (moments and step count too) where found_inf
-            # is 1: the mechanism the grad scaler uses, fed with this step's finiteness
-            self.optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.compute is not None:
-            self.compute.refresh()
 
     def account(self, stats: StepStats) -> dict[str, float]:
         """Read a step's numbers (the one host transfer of the step) and count them: tokens

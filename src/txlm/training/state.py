@@ -205,7 +205,12 @@ def save_optimizer(
                 tensors[f"{idx}.{key}"] = value.detach().cpu().contiguous()
             else:
                 scalars.setdefault(str(idx), {})[key] = value
-    meta = {"param_groups": json.dumps(sd["param_groups"]), "scalars": json.dumps(scalars)}
+    # a hyper-parameter held as a 0-d tensor (the trainer's learning rate) saved as its value
+    groups = [
+        {k: v.item() if isinstance(v, Tensor) else v for k, v in group.items()}
+        for group in sd["param_groups"]
+    ]
+    meta = {"param_groups": json.dumps(groups), "scalars": json.dumps(scalars)}
     save_file(tensors, str(path), metadata=meta)
 
 

@@ -1,0 +1,199 @@
+"""One optimisation step: forward and backward over the gradient-accumulation chunks, then
+the update (clipping, the finiteness check, Adam), all queued on the device (contract C37).
+
+Legend: b rows of this rank, A gradient-accumulation chunks of c = b / A rows, W ranks,
+N counted tokens of the global batch.
+
+Nothing inside a step reads a device value back to the host, so a GPU never waits for the
+host between steps:
+
+- the token count N, the loss, the gradient norm and whether both are finite stay 0-d
+  tensors (``StepStats``); the loop reads them, one transfer, after the next step is queued;
+- the learning rate is one 0-d tensor that every parameter group holds (``Update.lr``),
+  filled with the schedule's value each step: a Python float there would be a new constant
+  for a compiled update (a recompile per value) and is not what a captured graph can read;
+- a step that is not finite is skipped by the fused Adam kernel itself (``found_inf``, the
+  mechanism of the grad scaler, fed with this step's finiteness) and its memory is zeroed
+  on the device;
+- the adaptive softmax's tail clusters take static buckets where the step is compiled or
+  runs on CUDA (``buckets``): its one host read (the clusters' token counts) goes away.
+
+Compiled (``run.compile``), a step is a fixed number of graphs with no graph break: the
+model's forward and, through AOT autograd, its backward is one graph (two are built: the
+first step has no memory yet), and the update is one more (``Update``, compiled on its own:
+the optimizer is not part of the autograd graph). The token count, the loss sum and the
+memory hand-over between them are a handful of eager element-wise ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from txlm import distributed as dist
+from txlm.evaluate import autocast
+from txlm.training.state import Memory
+
+
+def compile_wanted(setting: bool | str, device: torch.device) -> bool:
+    """``run.compile``: true, false, or auto (on for CUDA, where it pays; off on CPU, where
+    inductor's training step was measured slower than eager)."""
+    if setting == "auto":
+        return device.type == "cuda"
+    return bool(setting)
+
+
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def buckets(device: torch.device, compiled: bool) -> str:
+    """The adaptive softmax's tail buckets for training (``AdaptiveLogSoftmax.nll``).
+
+    "counted" reads the clusters' token counts to the host (one read a step, and a graph
+    break when compiled) and does the least work: the CPU's eager path, where a host read
+    costs nothing and the work is what counts. "all" is static (no read, no break) and
+    exact for any labels, at every token through every tail cluster: on CUDA, or compiled.
+    """
+    return "all" if compiled or device.type == "cuda" else "counted"
+
+
+@dataclass
+class StepStats:
+    """One step's numbers as ``Trainer.train_step`` leaves them: tensors on the device, 0-d,
+    until ``read``."""
+
+    step: int  # the step's number (1-based)
+    lr: float
+    loss: Tensor  # mean token loss of the global batch
+    grad_norm: Tensor  # before clipping
+    tokens: Tensor  # labelled tokens of the global batch
+    finite: Tensor  # bool: the loss (and, but under fp16, the gradient norm) finite; stepped
+
+    def read(self) -> dict[str, float]:
+        """The numbers on the host, in one transfer."""
+        numbers = [self.loss, self.grad_norm, self.tokens, self.finite]
+        loss, grad_norm, tokens, finite = torch.stack([x.double() for x in numbers]).tolist()
+        return {"loss": loss, "grad_norm": grad_norm, "tokens": tokens, "finite": finite,
+                "lr": self.lr}  # fmt: skip
+
+
+def token_scale(labels: Tensor, device: torch.device, world_size: int) -> tuple[Tensor, Tensor]:
+    """(N, W / max(N, 1)): the global batch's counted tokens (a collective over ranks) and
+    the factor that turns a rank's summed token losses into its share of the mean, so that
+    DDP's gradient average is exactly the mean token loss of the global batch."""
+    local_tokens = (labels != -100).sum().to(device, torch.float64)
+    n_global = dist.all_reduce_sum(local_tokens.reshape(1))[0]
+    return n_global, (world_size / n_global.clamp(min=1.0)).float()
+
+
+def forward_backward(
+    model: Any,
+    batch: Any,
+    labels: Tensor,
+    memory: Memory,
+    *,
+    scale: Tensor,
+    scaler: torch.amp.GradScaler,
+    grad_accum: int,
+    precision: str,
+    device: torch.device,
+) -> tuple[Tensor, list[tuple[list[Tensor], Tensor | None]]]:
+    """Forward and backward of each of the A chunks of the batch's rows, each with its rows'
+    memory, on sum(token losses) * ``scale``; gradients add up in ``.grad``. Returns this
+    rank's summed token loss (float64, detached) and each chunk's (new memory, its mask)."""
+    per = labels.size(0) // grad_accum
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    parts: list[tuple[list[Tensor], Tensor | None]] = []
+    for i in range(grad_accum):
+        rows = slice(i * per, (i + 1) * per)
+        mems, mask = memory.chunk(rows)
+        reset = None if batch.reset is None else batch.reset[rows]
+        # DDP: only the last chunk's backward reduces the gradients across ranks
+        sync = (
+            model.no_sync()
+            if i < grad_accum - 1 and hasattr(model, "no_sync")
+            else contextlib.nullcontext()
+        )
+        with sync:
+            with autocast(device, precision):
+                out = model(
+                    batch.input_ids[rows], mems=mems, reset=reset, labels=labels[rows],
+                    mem_mask=mask,
+                )  # fmt: skip
+                loss = out.losses.float().sum()
+            scaler.scale(loss * scale).backward()
+        loss_sum += loss.detach().to(device, torch.float64)
+        parts.append((out.mems, out.mem_mask))
+    return loss_sum, parts
+
+
+class Update:
+    """The optimizer's half of a step: clip the gradients to norm ``clip`` (0: no clipping),
+    check finiteness, step Adam where finite; returns (the norm before clipping, finite).
+
+    ``compiled``: the clip, check and Adam step run as one compiled graph (fp16 aside: the
+    grad scaler's step stays eager). The learning rate is a 0-d tensor on the device:
+    float64 on the CPU, where fused Adam reads it as the double a Python float would be
+    (the schedule's values bit for bit), float32 on CUDA, whose fused kernels read a float.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler,
+        clip: float,
+        *,
+        device: torch.device,
+        compiled: bool,
+    ) -> None:
+        self.optimizer, self.scaler, self.clip = optimizer, scaler, clip
+        dtype = torch.float64 if device.type == "cpu" else torch.float32
+        self.lr = torch.zeros((), dtype=dtype, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        self._step = self._clip_and_step
+        if compiled and not scaler.is_enabled():
+            self._step = torch.compile(self._clip_and_step)
+
+    def __call__(self, lr: float, loss_finite: Tensor) -> tuple[Tensor, Tensor]:
+        self.lr.fill_(lr)
+        # Installed every step: loading a checkpoint's optimizer state puts floats back.
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr
+        self.scaler.unscale_(self.optimizer)
+        if self.scaler.is_enabled():  # fp16: the grad scaler skips its own inf steps
+            grad_norm = self._clip_gradients()
+            self.scaler.step(self.optimizer)  # it hands fused Adam its own found_inf
+            self.scaler.update()
+            finite = loss_finite
+        else:
+            self.optimizer.found_inf = self.found_inf  # type: ignore[attr-defined]
+            grad_norm, finite = self._step(loss_finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, finite
+
+    def _clip_and_step(self, loss_finite: Tensor) -> tuple[Tensor, Tensor]:
+        grad_norm = self._clip_gradients()
+        finite = loss_finite & torch.isfinite(grad_norm)
+        # fused Adam skips the whole update (moments and step count too) where found_inf
+        # is 1; written in place, so the optimizer holds one tensor for good
+        self.found_inf.copy_(~finite)
+        self.optimizer.step()
+        return grad_norm, finite
+
+    def _clip_gradients(self) -> Tensor:
+        """Scale the gradients to norm ``clip`` at most; returns the norm before."""
+        params = [
+            p for group in self.optimizer.param_groups for p in group["params"]
+            if p.grad is not None
+        ]  # fmt: skip
+        if self.clip > 0:
+            return torch.nn.utils.clip_grad_norm_(params, self.clip)
+        return torch.nn.utils.get_total_norm([p.grad for p in params])
