@@ -20,9 +20,9 @@ host between steps:
 
 Compiled (``run.compile``), a step is a fixed number of graphs with no graph break: the
 model's forward and, through AOT autograd, its backward is one graph (two are built: the
-first step has no memory yet), and the update is one more (``Update``, compiled on its own:
-the optimizer is not part of the autograd graph). The token count, the loss sum and the
-memory hand-over between them are a handful of eager element-wise ops.
+first step has no memory yet), and the clipping with the finiteness check is one more
+(``Update``); Adam is its one fused kernel. The token count, the loss sum and the memory
+hand-over between them are a handful of eager element-wise ops.
 """
 
 from __future__ import annotations
@@ -139,10 +139,12 @@ class Update:
     """The optimizer's half of a step: clip the gradients to norm ``clip`` (0: no clipping),
     check finiteness, step Adam where finite; returns (the norm before clipping, finite).
 
-    ``compiled``: the clip, check and Adam step run as one compiled graph (fp16 aside: the
-    grad scaler's step stays eager). The learning rate is a 0-d tensor on the device:
-    float64 on the CPU, where fused Adam reads it as the double a Python float would be
-    (the schedule's values bit for bit), float32 on CUDA, whose fused kernels read a float.
+    ``compiled``: clipping and the finiteness check run as one compiled graph; Adam stays
+    the fused kernel it is (one kernel over all tensors already, and torch keeps dynamo out
+    of fused optimizers: tracing its step would break the graph). The learning rate is a
+    0-d tensor on the device: float64 on the CPU, where fused Adam reads it as the double a
+    Python float would be (the schedule's values bit for bit), float32 on CUDA, whose fused
+    kernels read a float.
     """
 
     def __init__(
@@ -157,10 +159,9 @@ class Update:
         self.optimizer, self.scaler, self.clip = optimizer, scaler, clip
         dtype = torch.float64 if device.type == "cpu" else torch.float32
         self.lr = torch.zeros((), dtype=dtype, device=device)
-        self.found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        self._step = self._clip_and_step
-        if compiled and not scaler.is_enabled():
-            self._step = torch.compile(self._clip_and_step)
+        self._clip_and_check = self.clip_and_check
+        if compiled:
+            self._clip_and_check = torch.compile(self.clip_and_check)
 
     def __call__(self, lr: float, loss_finite: Tensor) -> tuple[Tensor, Tensor]:
         self.lr.fill_(lr)
@@ -168,32 +169,29 @@ class Update:
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr
         self.scaler.unscale_(self.optimizer)
+        grad_norm, finite, found_inf = self._clip_and_check(loss_finite)
         if self.scaler.is_enabled():  # fp16: the grad scaler skips its own inf steps
-            grad_norm = self._clip_gradients()
             self.scaler.step(self.optimizer)  # it hands fused Adam its own found_inf
             self.scaler.update()
             finite = loss_finite
         else:
-            self.optimizer.found_inf = self.found_inf  # type: ignore[attr-defined]
-            grad_norm, finite = self._step(loss_finite)
+            # fused Adam skips the whole update (moments and step count too) where
+            # found_inf is 1: the grad scaler's mechanism, fed with this step's finiteness
+            self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, finite
 
-    def _clip_and_step(self, loss_finite: Tensor) -> tuple[Tensor, Tensor]:
-        grad_norm = self._clip_gradients()
-        finite = loss_finite & torch.isfinite(grad_norm)
-        # fused Adam skips the whole update (moments and step count too) where found_inf
-        # is 1; written in place, so the optimizer holds one tensor for good
-        self.found_inf.copy_(~finite)
-        self.optimizer.step()
-        return grad_norm, finite
-
-    def _clip_gradients(self) -> Tensor:
-        """Scale the gradients to norm ``clip`` at most; returns the norm before."""
+    def clip_and_check(self, loss_finite: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Scale the gradients to norm ``clip`` at most; returns the norm before, whether
+        the step is finite (loss and norm), and Adam's ``found_inf`` (1.0: skip)."""
         params = [
             p for group in self.optimizer.param_groups for p in group["params"]
             if p.grad is not None
         ]  # fmt: skip
         if self.clip > 0:
-            return torch.nn.utils.clip_grad_norm_(params, self.clip)
-        return torch.nn.utils.get_total_norm([p.grad for p in params])
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, self.clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        finite = loss_finite & torch.isfinite(grad_norm)
+        return grad_norm, finite, (~finite).float()
