@@ -1,7 +1,9 @@
 """Training as components: the loop (``loop.Trainer``) composes its configuration
-(``config``), a learning-rate schedule (``schedule``), the components with their own state
-(``state``) and the checkpoint manager they are handed to (``checkpoint_manager``), what the
-run reports (``metrics``), which positions the loss counts (``objective``), bf16 compute
+(``config``), what a run is built from (``build``: corpus, batches, optimizer), one
+optimisation step (``step``), a learning-rate schedule (``schedule``), the components with
+their own state (``state``) and the checkpoint manager they are handed to
+(``checkpoint_manager``), validation and the final evaluation (``evaluation``), what the run
+reports (``metrics``), which positions the loss counts (``objective``), bf16 compute
 weights (``precision``), signal handling (``signals``) and ``run.deterministic``
 (``determinism``)."""
 

@@ -16,20 +16,21 @@ One step:
 Memory is detached by the model and reset where the data says (a new epoch, or the
 per-token document flags in doc_mode=reset).
 
-A step is queued on the device without reading anything back: the token count, the loss,
-the gradient norm and whether both are finite stay tensors; a step that is not finite is
-skipped by the fused Adam kernel itself (its ``found_inf``) and its memory zeroed on the
-device. The loop reads a step's numbers (one transfer) after the next step is queued, so a
-GPU never waits for the host between steps; warnings, the divergence stop and the logs come
-from those reads, one step late. Before a checkpoint or validation the loop reads the step
-it has not read yet, so ``last`` always holds up-to-date counters.
+A step (``step``: forward and backward, clipping, Adam) is queued on the device without
+reading anything back (contract C37). The loop reads a step's numbers (one transfer) after
+the next step is queued, so a GPU never waits for the host between steps; warnings, the
+divergence stop, the stop votes of a DDP run and the logs come from those reads, one step
+late. Before a checkpoint or validation the loop reads the step it has not read yet, so
+``last`` always holds up-to-date counters.
 
-The pieces: ``config`` (``TrainConfig``), ``schedule`` (learning rate), ``state`` (the
+The pieces: ``config`` (``TrainConfig``), ``build`` (the corpus, its stream of batches, the
+optimizer), ``step`` (one optimisation step), ``schedule`` (learning rate), ``state`` (the
 components with their own state: counters, memory, RNG; Adam's moments without pickle),
 ``checkpoint_manager`` (``last`` / ``best`` and resume, handed those components),
-``metrics`` (JSONL, TensorBoard, progress), ``objective`` (which positions count),
-``precision`` (bf16 compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism``
-(``run.deterministic``, scoped to the run's work).
+``evaluation`` (validation, the final evaluation and sample), ``metrics`` (JSONL,
+TensorBoard, progress, ETA), ``objective`` (which positions count), ``precision`` (bf16
+compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism`` (``run.deterministic``,
+scoped to the run's work).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -55,18 +55,17 @@ from torch import Tensor
 from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
 from txlm.config import ModelConfig
-from txlm.data import SentenceStreamIterator, StreamIterator, open_corpus
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
-from txlm.evaluate import evaluate_tokens
 from txlm.model import TransformerXL, align
+from txlm.training.build import build_optimizer, open_training_corpus, training_stream
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
-from txlm.training.metrics import MetricsLog, ProgressReport
+from txlm.training.evaluation import evaluate_split, final_evaluation
+from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy
-from txlm.training.sample import sample_text
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
 from txlm.training.state import RNG, Counters, Memory
@@ -79,6 +78,8 @@ from txlm.training.step import (
     graphs_compiled,
     token_scale,
 )
+
+__all__ = ["RESULTS_FILE", "StepStats", "Trainer", "compile_wanted", "graphs_compiled"]
 
 RESULTS_FILE = "results.json"
 
@@ -118,7 +119,14 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        self._load_data()
+        self.corpus = open_training_corpus(config, self.dist, echo=self.echo)
+        self.vocab = self.corpus.vocab
+        self.metric = self.corpus.metric
+        self.model_config: ModelConfig = config.model_config(len(self.vocab))
+        self.stream = training_stream(
+            self.corpus, config, self.model_config, self.dist, self.device
+        )
+        self._batches: Any = iter(())  # started lazily, after a resume has set the position
         resources.check_training(self.model_config, self.device, config, world)
         self.objective = OBJECTIVES[config.optim.loss]
 
@@ -130,7 +138,7 @@ class Trainer:
         if align.wanted(r.align_heads, self.device):
             align.pad_model(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
-        self.optimizer = self._build_optimizer()
+        self.optimizer = build_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
         self.memory = Memory(
@@ -186,55 +194,6 @@ class Trainer:
             config.optim.clip,
             device=self.device,
             compiled=self.compiled,
-        )
-
-    # -- construction -----------------------------------------------------------------------
-    def _load_data(self) -> None:
-        """Rank 0 prepares the corpus (download, tokenise); the others then read the folder."""
-        c = self.config
-        if self.dist.is_main:
-            self.corpus = open_corpus(
-                c.data.dataset,
-                c.data.data_dir,
-                level=c.data.level,
-                progress=self.echo and c.run.progress and sys.stderr.isatty(),
-            )
-        dist.barrier()
-        if not self.dist.is_main:
-            self.corpus = open_corpus(c.data.dataset, c.data.data_dir, level=c.data.level)
-        self.vocab = self.corpus.vocab
-        self.metric = self.corpus.metric
-        self.model_config: ModelConfig = c.model_config(len(self.vocab))
-        iterator = (
-            SentenceStreamIterator if self.corpus.meta.get("dataset") == "lm1b" else StreamIterator
-        )
-        doc_starts = self.corpus.doc_starts("train")
-        self.stream = iterator(
-            self.corpus.split("train"),
-            c.data.batch_size,
-            self.model_config.tgt_len,
-            doc_starts=doc_starts if len(doc_starts) else None,
-            doc_mode=c.data.doc_mode,
-            rank=self.dist.rank,
-            world_size=self.dist.world_size,
-            varlen=c.data.varlen,
-            seed=c.run.seed,
-            device=self.device,
-        )
-        self._batches = iter(())  # started lazily, after a resume has set the position
-
-    def _build_optimizer(self) -> torch.optim.Optimizer:
-        o = self.config.optim
-        opt_cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
-        # fused: one kernel per step over all tensors instead of ~10 ops per tensor, on CPU
-        # and CUDA alike; the same update rule.
-        return opt_cls(
-            list(self.model.parameters()),  # tied tensors appear once
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            fused=True,
         )
 
     # -- the counters, by their established names ----------------------------------------------
@@ -352,24 +311,7 @@ class Trainer:
         return dist.broadcast_object(result)
 
     def evaluate_split(self, model: TransformerXL, split: str, *, full: bool) -> dict[str, Any]:
-        e = self.config.eval
-        result = evaluate_tokens(
-            model,
-            self.corpus.split(split),
-            batch_size=e.batch_size,
-            tgt_len=e.eval_tgt_len,
-            mem_len=e.eval_mem_len,
-            clamp_len=e.eval_clamp_len,
-            same_length=e.same_length,
-            max_steps=None if full else e.max_eval_steps,
-            precision=self.config.run.precision,
-            metric=self.metric,
-            tokens_per_byte=self.corpus.tokens_per_byte(split),
-            progress=self.echo and self.config.run.progress and sys.stderr.isatty(),
-            desc=split,
-        )
-        result["split"] = split
-        return result
+        return evaluate_split(model, self.corpus, self.config, split, full=full, echo=self.echo)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, kind: str) -> None:
@@ -413,8 +355,13 @@ class Trainer:
             to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
             interval=r.progress_interval,
         )
+        train_log = TrainLog(
+            log, report, metric=self.metric,
+            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
+            log_interval=r.log_interval, stop_at=stop_at,
+        )  # fmt: skip
+        budget = r.time_budget_s
         self.signals.install()
-        self._interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
         stopped_by, late = 0, False
         pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
         stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
@@ -427,8 +374,12 @@ class Trainer:
                 stats, seconds = pending
                 pending = None
                 values = self.account(stats)
-                eta_s = self._eta(stop_at, *session)
-                self._log_step(stats.step, values, seconds, log, report, stop_at, eta_s)
+                budget_left = None if budget is None else budget - self.train_seconds
+                train_log.step(
+                    stats.step, values, seconds, tokens_seen=self.tokens_seen,
+                    train_seconds=self.train_seconds,
+                    eta_s=eta(stop_at - self.step, *session, budget_left),
+                )  # fmt: skip
 
         try:
             while self.step < stop_at:
@@ -513,61 +464,15 @@ class Trainer:
             )
         log.plot(self.out / "loss.png", self.metric)
         if finished and e.final_eval and self.dist.is_main:
-            summary.update(self._final_evaluation())
+            final = final_evaluation(
+                self.model, self.corpus, c, self.out, self.device, echo=self.echo
+            )
+            summary.update(final)
         if self.dist.is_main:
             atomic.write_json(self.out / RESULTS_FILE, summary)
         log.close()
         dist.shutdown()
         return summary
-
-    def _log_step(
-        self,
-        step: int,
-        values: dict[str, float],
-        seconds: float,
-        log: MetricsLog,
-        report: ProgressReport,
-        stop_at: int,
-        eta_s: float,
-    ) -> None:
-        """A read step into the metrics (every ``run.log_interval`` steps) and the progress."""
-        interval = self._interval
-        interval["loss"] += values["loss"] * values["tokens"]
-        interval["tokens"] += values["tokens"]
-        interval["time"] += seconds
-        if step % self.config.run.log_interval == 0 or step == stop_at:
-            loss = interval["loss"] / max(interval["tokens"], 1.0)
-            log.write(
-                {
-                    "split": "train",
-                    "step": step,
-                    "loss": loss,
-                    self.metric: self.corpus.metric_value(loss, "train"),
-                    "lr": values["lr"],
-                    "grad_norm": values["grad_norm"],
-                    "tokens_per_s": interval["tokens"] / max(interval["time"], 1e-9),
-                    "tokens_seen": self.tokens_seen,
-                    "train_seconds": self.train_seconds,
-                }
-            )
-            self._interval = {"loss": 0.0, "tokens": 0.0, "time": 0.0}
-        report.update(
-            step,
-            loss=values["loss"],
-            tokens=values["tokens"],
-            lr=values["lr"],
-            seconds=seconds,
-            eta_s=eta_s,
-        )
-
-    def _eta(self, stop_at: int, steps: int, seconds: float) -> float:
-        """Seconds of training left: the steps to go at this session's pace, or what is
-        left of the time budget when that comes first."""
-        left = (stop_at - self.step) * seconds / max(steps, 1)
-        budget = self.config.run.time_budget_s
-        if budget is not None:
-            left = min(left, max(budget - self.train_seconds, 0.0))
-        return left
 
     def _validate_and_save(self, log: MetricsLog, report: ProgressReport) -> None:
         result = self.validate()
@@ -593,42 +498,6 @@ class Trainer:
         self.save("last")
         if improved:
             self.save("best")
-
-    def _final_evaluation(self) -> dict[str, Any]:
-        """Valid and test with the preset's evaluation lengths, on `best`; then a sample."""
-        best_dir = self.out / "best"
-        model = checkpoint.load(best_dir, device=self.device) if best_dir.exists() else self.model
-        out: dict[str, Any] = {"metric": self.metric}
-        for split in ("valid", "test"):
-            result = self.evaluate_split(model, split, full=True)
-            out[split] = result
-            if self.echo:
-                print(
-                    f"{split}: loss {result['loss']:.4f}, {self.metric} "
-                    f"{result[self.metric]:.4f} over {result['tokens']} tokens "
-                    f"(tgt_len {result['tgt_len']}, mem_len {result['mem_len']}), "
-                    f"{result['tokens_per_s']:.0f} tokens/s"
-                )
-        e = self.config.eval
-        if e.sample_tokens > 0:
-            t0 = time.perf_counter()
-            # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
-            # then gives the same text there
-            text = sample_text(
-                model,
-                self.vocab,
-                e.sample_prompt,
-                e.sample_tokens,
-                top_k=e.sample_top_k,
-                seed=self.config.run.seed,
-            )
-            out["sample"] = text
-            out["sample_seconds"] = time.perf_counter() - t0
-            if self.echo:
-                seed = self.config.run.seed
-                print(f"sample (top-{e.sample_top_k}, {e.sample_tokens} tokens, seed {seed}):")
-                print(text)
-        return out
 
 
 def _indent(text: str) -> str:

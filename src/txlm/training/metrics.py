@@ -195,3 +195,72 @@ def _duration(seconds: float) -> str:
     h, rest = divmod(seconds, 3600)
     m, s = divmod(rest, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+class TrainLog:
+    """The training rows of ``metrics.jsonl`` (every ``log_interval`` steps, averaged over
+    the steps since the previous row, weighted by tokens) and the progress report, from each
+    step's numbers as the loop reads them (host floats, one step late)."""
+
+    def __init__(
+        self,
+        log: MetricsLog,
+        report: ProgressReport,
+        *,
+        metric: str,
+        to_metric: Callable[[float], float],
+        log_interval: int,
+        stop_at: int,
+    ) -> None:
+        self.log, self.report = log, report
+        self.metric, self.to_metric = metric, to_metric
+        self.log_interval, self.stop_at = log_interval, stop_at
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss_sum, self.tokens, self.seconds = 0.0, 0.0, 0.0
+
+    def step(
+        self,
+        step: int,
+        values: dict[str, float],
+        seconds: float,
+        *,
+        tokens_seen: int,
+        train_seconds: float,
+        eta_s: float,
+    ) -> None:
+        self.loss_sum += values["loss"] * values["tokens"]
+        self.tokens += values["tokens"]
+        self.seconds += seconds
+        if step % self.log_interval == 0 or step == self.stop_at:
+            loss = self.loss_sum / max(self.tokens, 1.0)
+            self.log.write(
+                {
+                    "split": "train",
+                    "step": step,
+                    "loss": loss,
+                    self.metric: self.to_metric(loss),
+                    "lr": values["lr"],
+                    "grad_norm": values["grad_norm"],
+                    "tokens_per_s": self.tokens / max(self.seconds, 1e-9),
+                    "tokens_seen": tokens_seen,
+                    "train_seconds": train_seconds,
+                }
+            )
+            self._reset()
+        self.report.update(
+            step,
+            loss=values["loss"],
+            tokens=values["tokens"],
+            lr=values["lr"],
+            seconds=seconds,
+            eta_s=eta_s,
+        )
+
+
+def eta(steps_left: int, steps: int, seconds: float, budget_left: float | None) -> float:
+    """Seconds of training left: ``steps_left`` at the pace of ``steps`` in ``seconds`` (this
+    session's), or what is left of the time budget when that comes first."""
+    left = steps_left * seconds / max(steps, 1)
+    return left if budget_left is None else min(left, max(budget_left, 0.0))

@@ -10,8 +10,9 @@ host between steps:
 - the token count N, the loss, the gradient norm and whether both are finite stay 0-d
   tensors (``StepStats``); the loop reads them, one transfer, after the next step is queued;
 - the learning rate is one 0-d tensor that every parameter group holds (``Update.lr``),
-  filled with the schedule's value each step: a Python float there would be a new constant
-  for a compiled update (a recompile per value) and is not what a captured graph can read;
+  filled with the schedule's value each step: every input of the update is then a device
+  tensor, which a captured or compiled optimizer step reads anew each time (a Python float
+  is baked into such a graph as a constant: a recompile per value);
 - a step that is not finite is skipped by the fused Adam kernel itself (``found_inf``, the
   mechanism of the grad scaler, fed with this step's finiteness) and its memory is zeroed
   on the device;
