@@ -88,7 +88,8 @@ class AdaptiveLogSoftmax(nn.Module):
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
-        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``)
+        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``);
+        # the trainer sets it (txlm.training.step.buckets): static when compiled or on CUDA
         self.buckets: str | int = "counted"
         # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
         self.multiple = 1
