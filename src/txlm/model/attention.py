@@ -91,12 +91,12 @@ def fused_rows(x: Tensor) -> bool:
 
 
 def row_product(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [B, in] @ w_t [in, out] (+ bias [out]): the one-row products of a decoding step
-    (``fused_rows``: written as a reduction the compiler fuses with its neighbours)."""
-    if fused_rows(x):
-        out = (x.view(-1, 1) * w_t).sum(0, keepdim=True)
-        return out if bias is None else out + bias
-    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+    """x [1, in] @ w_t [in, out] (+ bias [out]) written as a reduction over ``in``: a
+    decoding step's product when ``fused_rows`` (the compiler fuses it with its
+    neighbours). The step calls it only then: eagerly it calls ``mm`` / ``addmm`` itself,
+    with no wrapper call in between."""
+    out = (x.view(-1, 1) * w_t).sum(0, keepdim=True)
+    return out if bias is None else out + bias
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -371,7 +371,8 @@ class RelativeAttention(nn.Module):
         wdt = w.qkv_t.dtype
         fused = fused_rows(h)  # products as reductions the compiler fuses (see fused_rows)
         x = _norm(h, *w.norm1) if self.pre_lnorm else h
-        qkv = row_product(x if wdt == act else x.to(wdt), w.qkv_t)  # [B, 3 I]
+        x = x if wdt == act else x.to(wdt)
+        qkv = row_product(x, w.qkv_t) if fused else torch.mm(x, w.qkv_t)  # [B, 3 I]
         qkv = qkv if wdt == act else qkv.to(act)
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
         q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
@@ -408,7 +409,8 @@ class RelativeAttention(nn.Module):
         # the weighted sum of values, [B H, Dh] (fused: a reduction over the W slots)
         attn = (probs.transpose(1, 2) * values).sum(1) if fused else torch.bmm(probs, values)
         attn = _as(attn.view(batch, inner), act)
-        out = row_product(attn if wdt == act else attn.to(wdt), w.out_t)
+        attn = attn if wdt == act else attn.to(wdt)
+        out = row_product(attn, w.out_t) if fused else torch.mm(attn, w.out_t)
         out = out if wdt == act else out.to(act)
         return h + out if self.pre_lnorm else _norm(h + out, *w.norm1)
 
@@ -489,9 +491,13 @@ class PositionwiseFF(nn.Module):
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, dim[0])
-        if weights is not None:  # a decoding step (row_product), then the stream's dtype
-            out = row_product(_as(x, w1.dtype), w1, b1).relu_()
-            out = _as(row_product(out, w2, b2), h.dtype).view(h.shape)
+        if weights is not None:  # a decoding step, then back to the stream's dtype
+            x = _as(x, w1.dtype)
+            if fused_rows(x):  # reductions the compiler fuses (see fused_rows)
+                out = row_product(row_product(x, w1, b1).relu_(), w2, b2)
+            else:
+                out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
+            out = _as(out, h.dtype).view(h.shape)
         else:
             out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
             out = torch.addmm(b2, dropout(out, p, training), w2)
