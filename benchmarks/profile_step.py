@@ -12,7 +12,9 @@ wt103-base shape, vocabulary cut to 32k (cutoffs 8k/16k) to fit a CPU. On a GPU 
 roughly one kernel launch: fewer is the CPU-visible proxy for launch overhead. ``--compiled``
 adds the traced step: the decoding step compiled by inductor (as ``txlm generate --compile``
 builds it), counted as the kernels its generated code calls per token (fused C++ kernels
-and library calls such as the matrix products; a few minutes to compile on a CPU). Writes
+and library calls such as the matrix products; a few minutes to compile on a CPU), and as
+the outermost loop nests of its fused kernels (the CPU backend puts many nests into one
+kernel function; on a GPU each is about one kernel: see ``loop_nests``). Writes
 runs/bench/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
 that code instead (the before/after figures of a change).
 
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -115,16 +118,20 @@ class CountOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def compiled_kernels(step, ids: torch.Tensor) -> dict:
-    """Kernels one call of a compiled decoding step runs: the calls in the ``call`` function
-    of inductor's generated code, by kind (``cpp_fused_*`` kernels, ``extern_kernels.*``
-    library calls, other aten calls)."""
-    import re
-
+def compiled_code(step, ids: torch.Tensor) -> list[str]:
+    """The code inductor generates for one call of a compiled decoding step (the call
+    runs: it is a real step)."""
     from torch._inductor.utils import run_and_get_code
 
     with torch.inference_mode():
         _, codes = run_and_get_code(step, ids)
+    return codes
+
+
+def kernel_counts(codes: list[str]) -> dict:
+    """Kernels one call runs: the calls in the ``call`` function of inductor's generated
+    code, by kind (``cpp_fused_*`` kernels, ``extern_kernels.*`` library calls, other aten
+    calls)."""
     counts: dict[str, int] = {}
     for code in codes:
         body = code[code.index("def call(") :]
@@ -141,6 +148,35 @@ def compiled_kernels(step, ids: torch.Tensor) -> dict:
                 )
                 counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def loop_nests(codes: list[str]) -> int:
+    """Outermost loops of the generated C++ kernels, summed. The CPU backend puts any
+    number of loop nests into one kernel function (even a whole layer's), where a GPU
+    kernel holds one fused loop nest: so the nests are the closer proxy of the kernels the
+    same step compiles to on a GPU, together with the library calls (``kernel_counts``)."""
+    total = 0
+    for code in codes:
+        for source in re.findall(r"cpp_pybinding\(\[.*?\], r'''(.*?)'''\)", code, re.S):
+            braces: list[bool] = []  # per open brace: whether a loop opened it
+            opens_loop = False
+            for line in source.splitlines():
+                text = line.strip()
+                if text.startswith("for("):
+                    total += not any(braces)
+                    opens_loop = True
+                for ch in text:
+                    if ch == "{":
+                        braces.append(opens_loop)
+                        opens_loop = False
+                    elif ch == "}":
+                        braces.pop()
+    return total
+
+
+def compiled_kernels(step, ids: torch.Tensor) -> dict:
+    """Kernels one call of a compiled decoding step runs, by kind (``kernel_counts``)."""
+    return kernel_counts(compiled_code(step, ids))
 
 
 def count_ops(compiled: bool = False) -> dict:
@@ -205,12 +241,13 @@ def count_ops(compiled: bool = False) -> dict:
     def top(counts: dict) -> dict:
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
-    traced = None
+    traced, nests = None, None
     if compiled:
         with torch.no_grad():
             dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
             logp = dec.prefill([prompt])
-            traced = compiled_kernels(dec._stepper(), logp.argmax(-1))
+            codes = compiled_code(dec._stepper(), logp.argmax(-1))
+            traced, nests = kernel_counts(codes), loop_nests(codes)
 
     return {
         "shape": "wt103-base (16 layers, d_model 410, 10 x 41 heads, vocab 32k adaptive)",
@@ -222,6 +259,7 @@ def count_ops(compiled: bool = False) -> dict:
         else round(sum(modules.values()), 1),
         "decode_kernels_per_token_compiled": None if traced is None else sum(traced.values()),
         "decode_kernels_compiled": traced,
+        "decode_loop_nests_per_token_compiled": nests,
         "train_ops": top(train_ops.counts),
         "decode_ops": top(per_token),
     }

@@ -79,6 +79,26 @@ def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
 
 
+def fused_rows(x: Tensor) -> bool:
+    """Whether a one-query step writes its products over ``x`` [B, ...] (B rows) as
+    elementwise products and sums: when torch.compile traces it for one row. The compiler
+    then fuses each product with the operations around it into one generated kernel (a
+    library matrix product is a kernel of its own, with another for what follows it); for
+    one row the product only streams its weight, so a fused reduction reads the same bytes.
+    Eagerly, and for several rows (where a library product reuses each weight across rows),
+    the step calls the library products: one call each, no [.., in, out] temporary."""
+    return x.size(0) == 1 and torch.compiler.is_compiling()
+
+
+def row_product(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [1, in] @ w_t [in, out] (+ bias [out]) written as a reduction over ``in``: a
+    decoding step's product when ``fused_rows`` (the compiler fuses it with its
+    neighbours). The step calls it only then: eagerly it calls ``mm`` / ``addmm`` itself,
+    with no wrapper call in between."""
+    out = (x.view(-1, 1) * w_t).sum(0, keepdim=True)
+    return out if bias is None else out + bias
+
+
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Bool mask (True: may attend) -> 0 / -inf bias of the same shape, to add to scores."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
@@ -340,21 +360,34 @@ class RelativeAttention(nn.Module):
         gathered by the step's index (a static step); the mask is the step's. ``w``: this
         layer's weights laid out for one-row products (txlm.model.layout), in their own
         dtype: inputs are cast to it and results back (a bf16 decoder over a float32 cache).
+        Traced by torch.compile for one row (``fused_rows``) the same terms are written as
+        elementwise products and sums: the compiler then fuses the whole layer into a few
+        loop nests around the cache write, with no library call (ARCHITECTURE.md, C35).
         Inference only (no dropout).
         """
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
         act = h.dtype
         wdt = w.qkv_t.dtype
+        fused = fused_rows(h)  # products as reductions the compiler fuses (see fused_rows)
         x = _norm(h, *w.norm1) if self.pre_lnorm else h
-        qkv = torch.mm(x if wdt == act else x.to(wdt), w.qkv_t)  # [B, 3 I]
+        x = x if wdt == act else x.to(wdt)
+        qkv = row_product(x, w.qkv_t) if fused else torch.mm(x, w.qkv_t)  # [B, 3 I]
         qkv = qkv if wdt == act else qkv.to(act)
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
         q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
         qc = (q if w.u is None else q + w.u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
         step, width = cache.step, keys.size(1)
         rk = cache.table  # [H, W, Dh] in slot order, or [H, S, Dh] per distance; scaled
-        if rk is None:  # absolute encodings: content only
+        if fused:  # [B H, W]: both terms in one reduction over Dh, the gather an indexed load
+            scores = (qc * keys).sum(-1) * self.scale
+            if rk is not None:
+                qp = q if w.v is None else q + w.v  # [B, H, Dh]
+                if step.index is not None:  # per distance -> per slot
+                    rk = rk.index_select(1, step.index[0])
+                scores = scores + (qp.unsqueeze(2) * rk).sum(-1).view(-1, width)
+            scores = scores.unsqueeze(1)  # [B H, 1, W]
+        elif rk is None:  # absolute encodings: content only
             scores = torch.bmm(qc, keys.transpose(1, 2)).mul_(self.scale)
         else:
             qp = (q if w.v is None else q + w.v).transpose(0, 1)  # [H, B, Dh]
@@ -373,8 +406,11 @@ class RelativeAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1)
         else:  # half precision is normalised in float32
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        attn = _as(torch.bmm(probs, values).view(batch, inner), act)
-        out = torch.mm(attn if wdt == act else attn.to(wdt), w.out_t)
+        # the weighted sum of values, [B H, Dh] (fused: a reduction over the W slots)
+        attn = (probs.transpose(1, 2) * values).sum(1) if fused else torch.bmm(probs, values)
+        attn = _as(attn.view(batch, inner), act)
+        attn = attn if wdt == act else attn.to(wdt)
+        out = row_product(attn, w.out_t) if fused else torch.mm(attn, w.out_t)
         out = out if wdt == act else out.to(act)
         return h + out if self.pre_lnorm else _norm(h + out, *w.norm1)
 
@@ -455,10 +491,15 @@ class PositionwiseFF(nn.Module):
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
         # run a 3-D one as a product and a separate pass to add the bias
         x = x.reshape(-1, dim[0])
-        out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
-        if weights is not None:  # a decoding step: back to the residual stream's dtype
-            out = _as(torch.addmm(b2, out, w2), h.dtype).view(h.shape)
+        if weights is not None:  # a decoding step, then back to the stream's dtype
+            x = _as(x, w1.dtype)
+            if fused_rows(x):  # reductions the compiler fuses (see fused_rows)
+                out = row_product(row_product(x, w1, b1).relu_(), w2, b2)
+            else:
+                out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
+            out = _as(out, h.dtype).view(h.shape)
         else:
+            out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
             out = torch.addmm(b2, dropout(out, p, training), w2)
             out = dropout(out.view(h.shape), p, training)
         return h + out if self.pre_lnorm else ln(h + out)

@@ -92,8 +92,17 @@ class LayerCache:
         cache, step = self.cache, self.step
         buffer = cache.kv[self.layer]  # [2, B, H, S, Dh]
         _, batch, heads, _, d_head = buffer.shape
-        kv = kv.view(batch, 2, heads, 1, d_head).transpose(0, 1)
-        buffer.index_copy_(3, step.slots, kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype))
+        kv = kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype)
+        if torch.compiler.is_compiling():
+            # Traced, a write into a view of the buffer becomes a copy of the whole layer
+            # (functionalisation), every layer and token; indexing the buffer itself with
+            # tensors (layer, slot) is an in-place scatter of the B x 2 H rows only. Eagerly
+            # the view's index_copy_ is the cheaper call.
+            layer = cache.layer_ids.narrow(0, self.layer, 1)
+            rows = kv.view(batch, 2, heads, d_head).transpose(0, 1).unsqueeze(0)
+            cache.kv[layer, :, :, :, step.slots] = rows  # [1, 2, B, H, Dh]
+        else:
+            buffer.index_copy_(3, step.slots, kv.view(batch, 2, heads, 1, d_head).transpose(0, 1))
         if step.width < cache.slots:
             buffer = buffer.narrow(3, 0, step.width)
         rows = batch * heads
@@ -139,6 +148,7 @@ class KVCache:
         self.written = 0  # eager caches: next_pos on the host (a static step never reads it)
         self._stale = False  # eager caches: pos / next_pos lag ``written`` (see _sync)
         self._slot_ids = torch.arange(self.slots, device=device)
+        self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (LayerCache)
 
     @property
     def k(self) -> Tensor:
