@@ -65,6 +65,7 @@ from txlm.model import align
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
+from txlm.training.step import TailBuckets
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/gpu_check.json updates the committed one
@@ -237,7 +238,16 @@ class TrainStep:
         self.opt = torch.optim.Adam(self.master.parameters(), lr=2.5e-4,
                                     fused=device.type == "cuda")  # fmt: skip
         self.length = config.tgt_len * 64
-        self.stream = synthetic_stream(config.vocab_size, batch, self.length + 1, 1).to(device)
+        self.host_stream = synthetic_stream(config.vocab_size, batch, self.length + 1, 1)
+        self.stream = self.host_stream.to(device)
+        # the tail buckets sized from the labels on the host, as the trainer sizes them on
+        # CUDA (training.step.TailBuckets): no read back, no graph break
+        self.buckets = None
+        if config.cutoffs:
+            tokens = batch * config.tgt_len
+            self.buckets = TailBuckets.for_corpus(
+                self.host_stream.numpy().ravel(), config.cutoffs, tokens
+            )
         self.mems: list[Tensor] | None = None
         self.t = 0
 
@@ -245,9 +255,11 @@ class TrainStep:
         L = self.config.tgt_len
         ids = self.stream[:, self.t : self.t + L]
         labels = self.stream[:, self.t + 1 : self.t + 1 + L]
+        host = self.host_stream[:, self.t + 1 : self.t + 1 + L].numpy()
+        sizes = None if self.buckets is None else self.buckets(host)
         self.t = (self.t + L) % (self.length - L)
         with precision(self.device, self.name):
-            out = self.forward(ids, mems=self.mems, labels=labels)
+            out = self.forward(ids, mems=self.mems, labels=labels, bucket_sizes=sizes)
             loss = out.loss.float()
         loss.backward()
         if self.copy is not None:

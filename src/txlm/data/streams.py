@@ -60,6 +60,9 @@ class Batch:
     reset: torch.Tensor | None  # [b, L] bool in reset mode, else None
     epoch: int = 0
     index: int = 0  # position of this batch in its epoch; 0 = every row starts afresh
+    # [b, L] the labels as read, on the host: what a step may count without reading
+    # anything back from the device
+    host_labels: np.ndarray | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -170,7 +173,8 @@ class _SegmentStream:
     def _to_batch(
         self, chunk: np.ndarray, flags: np.ndarray | None, epoch: int, index: int
     ) -> Batch:
-        data = torch.from_numpy(np.ascontiguousarray(chunk, dtype=np.int64))
+        ids = np.ascontiguousarray(chunk, dtype=np.int64)
+        data = torch.from_numpy(ids)
         non_blocking = self.device.type == "cuda"
         # contiguous, so that callers may .view() them (a shifted slice is not)
         x = data[:, :-1].contiguous().to(self.device, non_blocking=non_blocking)
@@ -178,7 +182,7 @@ class _SegmentStream:
         reset = None
         if flags is not None:
             reset = torch.from_numpy(flags).to(self.device, non_blocking=non_blocking)
-        return Batch(x, y, reset, epoch=epoch, index=index)
+        return Batch(x, y, reset, epoch=epoch, index=index, host_labels=ids[:, 1:])
 
     # -- resume ---------------------------------------------------------------------------
 

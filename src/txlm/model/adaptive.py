@@ -18,6 +18,7 @@ column -i instead, which disagrees with its own forward when there are 2+ tail c
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -159,13 +160,24 @@ class AdaptiveLogSoftmax(nn.Module):
             out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
         return out
 
-    def nll(self, hidden: Tensor, target: Tensor, ignore_index: int = -100) -> Tensor:
+    def nll(
+        self,
+        hidden: Tensor,
+        target: Tensor,
+        ignore_index: int = -100,
+        *,
+        sizes: Sequence[int] | None = None,
+    ) -> Tensor:
         """Negative log-likelihood [N] in input order; 0 where target == ignore_index.
 
         Every block of the softmax (the head, each tail cluster) runs as one fused loss
         (``_BlockNLL``). The tail clusters take their tokens in buckets: one stable sort
         by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
-        positions from its start (empty slots are masked). No ``nonzero``; ``buckets``:
+        positions from its start (empty slots are masked). No ``nonzero``. ``sizes``: the
+        buckets' sizes, one per tail cluster, from a caller that counted the labels where
+        they are on the host (the trainer, ``txlm.training.buckets``): static shapes with
+        nothing read back and little more work than the counts; a token past a full bucket
+        gets a NaN loss, as for k below. Else ``self.buckets``:
 
         - "counted": the sizes are the clusters' token counts, read to the host once (the
           least work; a graph break under torch.compile);
@@ -195,7 +207,11 @@ class AdaptiveLogSoftmax(nn.Module):
         counts = (cluster[None, :] == ids[:, None]).sum(1)  # [n_clusters + 1]
         starts = counts.cumsum(0) - counts
         order = torch.argsort(cluster, stable=True)
-        if self.buckets == "counted":
+        if sizes is not None:
+            if len(sizes) != self.n_clusters:
+                raise ValueError(f"{len(sizes)} bucket sizes for {self.n_clusters} tail clusters")
+            sizes = [min(n, int(k)) for k in sizes]
+        elif self.buckets == "counted":
             sizes = counts[1:].tolist()
         else:
             sizes = [n if self.buckets == "all" else min(n, int(self.buckets))] * self.n_clusters

@@ -15,6 +15,7 @@ Feed ``out.mems`` and ``out.mem_mask`` back with the next segment of the same ro
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -152,15 +153,18 @@ class TransformerXL(nn.Module):
         labels: Tensor | None = None,
         mem_mask: Tensor | None = None,
         lengths: Lengths | None = None,
+        bucket_sizes: Sequence[int] | None = None,
     ) -> TransformerXLOutput:
         """``lengths``: the attention lengths of this call (txlm.model.lengths; None: the
-        model's, ``model.lengths``); the memory is trimmed to its ``mem_len``."""
+        model's, ``model.lengths``); the memory is trimmed to its ``mem_len``.
+        ``bucket_sizes``: the adaptive softmax's tail buckets for the labels
+        (``AdaptiveLogSoftmax.nll``; None: its ``buckets`` setting)."""
         # Keyword-only past ``mems``: a positional ``model(x, mems, labels)`` would otherwise
         # read the labels as document-start flags without any error.
         hidden, new_mems, next_mask = self.transform(
             input_ids, mems, reset, mem_mask, lengths=lengths
         )
-        return self.output(hidden, new_mems, next_mask, labels)
+        return self.output(hidden, new_mems, next_mask, labels, bucket_sizes)
 
     def output(
         self,
@@ -168,12 +172,14 @@ class TransformerXL(nn.Module):
         mems: list[Tensor],
         mem_mask: Tensor | None,
         labels: Tensor | None = None,
+        bucket_sizes: Sequence[int] | None = None,
     ) -> TransformerXLOutput:
         """The output layer on hidden states [B, L, D]: token losses, or log-probs."""
         out = TransformerXLOutput(mems=mems, mem_mask=mem_mask, hidden=hidden)
         flat = hidden.reshape(-1, hidden.size(-1))
         if labels is not None:
-            out.losses = self.softmax.nll(flat, labels.reshape(-1)).view(labels.shape)
+            losses = self.softmax.nll(flat, labels.reshape(-1), sizes=bucket_sizes)
+            out.losses = losses.view(labels.shape)
             # a tensor division, not .item(): no host sync; 0 / 1 when nothing is labelled
             counted = (labels != -100).sum().clamp(min=1)
             out.loss = out.losses.sum() / counted

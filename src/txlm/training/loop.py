@@ -72,10 +72,10 @@ from txlm.training.state import RNG, Counters, Memory
 from txlm.training.step import (
     StepStats,
     Update,
-    buckets,
     compile_wanted,
     forward_backward,
     graphs_compiled,
+    tail_buckets,
     token_scale,
 )
 
@@ -179,8 +179,11 @@ class Trainer:
             self.checkpoints.load(Path(resume))
 
         self.compiled = compile_wanted(r.compile, self.device)
-        # the tail clusters' buckets, set before the bf16 copy (which copies them)
-        self.model.softmax.buckets = buckets(self.device, self.compiled)
+        rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
+        self.buckets = tail_buckets(
+            self.model, self.corpus.split("train"), self.device, self.compiled,
+            tokens=rows * self.model.config.tgt_len,
+        )  # fmt: skip
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
@@ -252,6 +255,7 @@ class Trainer:
         loss_sum, parts = forward_backward(
             self.forward_model, batch, labels, self.memory, scale=scale, scaler=self.scaler,
             grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
+            buckets=self.buckets,
         )  # fmt: skip
         if self.compute is not None:
             self.compute.gradients_to_master()

@@ -16,8 +16,9 @@ host between steps:
 - a step that is not finite is skipped by the fused Adam kernel itself (``found_inf``, the
   mechanism of the grad scaler, fed with this step's finiteness) and its memory is zeroed
   on the device;
-- the adaptive softmax's tail clusters take static buckets where the step is compiled or
-  runs on CUDA (``buckets``): its one host read (the clusters' token counts) goes away.
+- the adaptive softmax's tail clusters take buckets sized on the host from the batch's
+  labels where the step is compiled or runs on CUDA (``TailBuckets``): its one read back
+  (the clusters' token counts) goes away, and its shapes are static.
 
 Compiled (``run.compile``), a step is a fixed number of graphs with no graph break: the
 model's forward and, through AOT autograd, its backward is one graph (two are built: the
@@ -29,9 +30,11 @@ hand-over between them are a handful of eager element-wise ops.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -55,15 +58,71 @@ def graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def buckets(device: torch.device, compiled: bool) -> str:
-    """The adaptive softmax's tail buckets for training (``AdaptiveLogSoftmax.nll``).
+class TailBuckets:
+    """Sizes of the adaptive softmax's tail buckets for each forward of a step
+    (``AdaptiveLogSoftmax.nll``), counted on the host from the labels as the data stream
+    read them (``Batch.host_labels``): static shapes with nothing read back from the device,
+    and a bucket no bigger than its cluster's tokens need plus a margin, where "all" would
+    run every token through every tail cluster.
 
-    "counted" reads the clusters' token counts to the host (one read a step, and a graph
-    break when compiled) and does the least work: the CPU's eager path, where a host read
-    costs nothing and the work is what counts. "all" is static (no read, no break) and
-    exact for any labels, at every token through every tail cluster: on CUDA, or compiled.
+    A size only grows: it starts from the training split's cluster frequencies (a quarter
+    more than a call's expected count, rounded up to ``quantum`` tokens) and, when a call
+    has more tokens of a cluster than its bucket holds, becomes a quarter more than that
+    count. A compiled step so meets a handful of sizes over a run (a graph each), usually
+    only the first. Every size holds its call's tokens: the loss is exact.
     """
-    return "all" if compiled or device.type == "cuda" else "counted"
+
+    def __init__(
+        self, cutoffs: Sequence[int], frequencies: Sequence[float], tokens: int, quantum: int = 64
+    ) -> None:
+        self.cutoffs = np.asarray(cutoffs, dtype=np.int64)
+        self.quantum = quantum
+        # ``tokens``: of one forward (rows x segment length), for the starting sizes
+        self.sizes = [self._round(f * tokens) for f in frequencies]
+
+    @classmethod
+    def for_corpus(
+        cls, ids: np.ndarray, cutoffs: Sequence[int], tokens: int, sample: int = 1 << 20
+    ) -> TailBuckets:
+        """From a token stream (the training split): each tail cluster's share of an evenly
+        strided sample of at most ``sample`` of its tokens. Quanta of 64 tokens (aligned
+        shapes), fewer for a small call."""
+        picked = np.asarray(ids[:: max(1, len(ids) // sample)])
+        counts = cls._counts(picked, np.asarray(cutoffs, dtype=np.int64))
+        quantum = min(64, max(1, tokens // 16))
+        return cls(cutoffs, (counts / max(1, picked.size)).tolist(), tokens, quantum)
+
+    @staticmethod
+    def _counts(labels: np.ndarray, cutoffs: np.ndarray) -> np.ndarray:
+        """Tokens per tail cluster [C] (ignored labels, -100, count as shortlist tokens)."""
+        cluster = np.searchsorted(cutoffs, np.ravel(labels), side="right")
+        return np.bincount(cluster, minlength=len(cutoffs) + 1)[1:]
+
+    def _round(self, count: float) -> int:
+        """A quarter more than ``count``, in whole quanta (the softmax caps a size at its
+        call's token count)."""
+        q = self.quantum
+        return max(q, -(-int(1.25 * count) // q) * q)
+
+    def __call__(self, host_labels: np.ndarray) -> tuple[int, ...]:
+        """The sizes for one forward's labels [c, L], on the host."""
+        counts = self._counts(host_labels, self.cutoffs).tolist()
+        grown = zip(self.sizes, counts, strict=True)
+        self.sizes = [s if n <= s else self._round(n) for s, n in grown]
+        return tuple(self.sizes)
+
+
+def tail_buckets(
+    model: Any, ids: np.ndarray, device: torch.device, compiled: bool, tokens: int
+) -> TailBuckets | None:
+    """How a step sizes the tail buckets: None (the softmax's "counted": its clusters'
+    token counts read back once a step, a graph break when compiled; the least work, and on
+    the CPU's eager path a read costs nothing) or, on CUDA or compiled, from the labels on
+    the host (``TailBuckets``). None too for a softmax without tail clusters."""
+    cutoffs = model.softmax.cutoffs
+    if not cutoffs or not (compiled or device.type == "cuda"):
+        return None
+    return TailBuckets.for_corpus(ids, cutoffs, tokens)
 
 
 @dataclass
@@ -106,10 +165,15 @@ def forward_backward(
     grad_accum: int,
     precision: str,
     device: torch.device,
+    buckets: TailBuckets | None = None,
 ) -> tuple[Tensor, list[tuple[list[Tensor], Tensor | None]]]:
     """Forward and backward of each of the A chunks of the batch's rows, each with its rows'
     memory, on sum(token losses) * ``scale``; gradients add up in ``.grad``. Returns this
-    rank's summed token loss (float64, detached) and each chunk's (new memory, its mask)."""
+    rank's summed token loss (float64, detached) and each chunk's (new memory, its mask).
+    ``buckets``: the tail buckets' sizes from the chunk's labels on the host (None: the
+    softmax's own setting)."""
+    if buckets is not None and batch.host_labels is None:
+        raise ValueError("sized tail buckets need the batch's labels on the host")
     per = labels.size(0) // grad_accum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     parts: list[tuple[list[Tensor], Tensor | None]] = []
@@ -123,11 +187,12 @@ def forward_backward(
             if i < grad_accum - 1 and hasattr(model, "no_sync")
             else contextlib.nullcontext()
         )
+        sizes = None if buckets is None else buckets(batch.host_labels[rows])
         with sync:
             with autocast(device, precision):
                 out = model(
                     batch.input_ids[rows], mems=mems, reset=reset, labels=labels[rows],
-                    mem_mask=mask,
+                    mem_mask=mask, bucket_sizes=sizes,
                 )  # fmt: skip
                 loss = out.losses.float().sum()
             scaler.scale(loss * scale).backward()
