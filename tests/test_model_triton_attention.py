@@ -214,7 +214,7 @@ class Opaque:
 def big_outputs(impl: str, monkeypatch) -> tuple[list[list[str]], list[str]]:
     """The ops of a layer's forward and of its backward that return B H L K elements or
     more, and every op that reads a value back to the host."""
-    for name in ("_fwd_kernel", "_bwd_kernel"):
+    for name in ("_attention_fwd_kernel", "_attention_bwd_kernel"):
         monkeypatch.setattr(triton_attention, name, Opaque(getattr(triton_attention, name)))
     config = layer_config(attn_impl=impl)
     torch.manual_seed(0)

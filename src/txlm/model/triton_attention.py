@@ -71,7 +71,7 @@ def _scores(q, k, offs_m, offs_n, lo, hi, kok, P, p_row, L, scale, HAS_P: tl.con
 
 
 @triton.jit
-def _fwd_kernel(
+def _attention_fwd_kernel(
     QC, K, V, P, LO, HI, KOK, O, LSE,
     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
     s_pb, s_ph, s_pl, s_ob, s_oh, s_ol, s_mb, s_kokb,
@@ -131,7 +131,7 @@ def _fwd_kernel(
 
 
 @triton.jit
-def _bwd_kernel(
+def _attention_bwd_kernel(
     QC, K, V, P, DO, LSE, DELTA, LO, HI, KOK, QLO, QHI, DQ, DK, DV, DP,
     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
     s_pb, s_ph, s_pl, s_ob, s_oh, s_ol, s_gb, s_gh, s_gl, s_mb, s_kokb,
@@ -264,7 +264,7 @@ def _forward(
     lse = qc.new_empty(batch, heads, qlen, dtype=torch.promote_types(qc.dtype, torch.float32))
     pp = p if p is not None else qc  # a placeholder pointer, never read
     grid = (triton.cdiv(qlen, bm), batch * heads)
-    _fwd_kernel[grid](
+    _attention_fwd_kernel[grid](
         qc, k, v, pp, lo, hi, kok, o, lse,
         *_head_strides(qc), *_head_strides(k), *_head_strides(v), *_head_strides(pp),
         *_head_strides(o), *_batch_strides(lo, kok),
@@ -293,7 +293,7 @@ def _backward(
     pp = p if p is not None else qc
     nkb = triton.cdiv(klen, bn)
     grid = (nkb + triton.cdiv(qlen, bm), batch * heads)
-    _bwd_kernel[grid](
+    _attention_bwd_kernel[grid](
         qc, k, v, pp, do, lse, delta, lo, hi, kok, qlo, qhi, dq, dk, dv,
         dp if dp is not None else pp,
         *_head_strides(qc), *_head_strides(k), *_head_strides(v), *_head_strides(pp),
