@@ -14,12 +14,16 @@ through the projections); the whole model too, padded for tensor cores as on CUD
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from conftest import subprocess_env
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
 from txlm.model import TransformerXL
@@ -160,6 +164,11 @@ def test_model_equals_math_path_with_memory_and_resets(padded, monkeypatch) -> N
     slots in front (the kernel's bounds skip them). Blocks of 32 (fewer interpreted
     programs) against 20 queries and 40 (48 aligned) keys."""
     monkeypatch.setattr(triton_attention, "BLOCK", (32, 32))
+    calls = []  # the kernel path runs (no silent fall-back to the math path)
+    real = triton_attention.relative_attention
+    monkeypatch.setattr(
+        triton_attention, "relative_attention", lambda *a: calls.append(1) or real(*a)
+    )
     math_model, tri_model = model_pair()
     if padded:
         pad_model(math_model)
@@ -168,6 +177,7 @@ def test_model_equals_math_path_with_memory_and_resets(padded, monkeypatch) -> N
     ids = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(1))
     loss_math = two_segments(math_model.train(), ids)
     loss_tri = two_segments(tri_model.train(), ids)
+    assert len(calls) == 2 * tri_model.config.n_layer
     torch.testing.assert_close(loss_tri, loss_math, atol=1e-10, rtol=0)
     loss_math.backward()
     loss_tri.backward()
@@ -285,3 +295,56 @@ def test_triton_is_refused_where_it_cannot_run(monkeypatch) -> None:
     with pytest.raises(ConfigError, match="TRITON_INTERPRET=1"):
         triton_attention.check_device(torch.device("cpu"))
     triton_attention.check_device(torch.device("cuda"))  # compiled kernels there
+
+
+COMPILE = """
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from txlm.model import triton_attention as ta
+
+out = []
+for fn in (ta._attention_fwd_kernel, ta._attention_bwd_kernel):
+    for dt in ("bf16",):
+        const = {"HAS_P": True, "BM": ta.BLOCK[0], "BN": ta.BLOCK[1], "BD": 64,
+                 "ACC": tl.float32}
+        sig = {}
+        for n in fn.arg_names:
+            if n in const:
+                sig[n] = "constexpr"
+            elif n in ("LO", "HI", "KOK", "QLO", "QHI"):
+                sig[n] = "*i32"
+            elif n in ("LSE", "DELTA"):
+                sig[n] = "*fp32"
+            elif n == "scale":
+                sig[n] = "fp32"
+            elif n.isupper() and n not in ("H", "L", "KLEN", "DH", "NKB"):
+                sig[n] = "*" + dt
+            else:
+                sig[n] = "i32"
+        consts = {(fn.arg_names.index(k),): v for k, v in const.items()}
+        kernel = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32))
+        out.append([fn.__name__, dt, kernel.metadata.shared, len(kernel.asm["cubin"])])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda(tmp_path) -> None:
+    """The interpreter runs Python, which accepts more than Triton's compiler: both kernels
+    are compiled here, without a GPU, for an sm_90 target through the wheel's own ptxas
+    (bf16, what CUDA training runs; the default blocks; the head dim of a padded
+    wt103-base), each within an H100/H200's 227 KiB of shared memory per block."""
+    env = subprocess_env(TRITON_CACHE_DIR=str(tmp_path))
+    env.pop("TRITON_INTERPRET")  # compiled kernels, not interpreted ones
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(name, dt) for name, dt, _, _ in rows] == [
+        ("_attention_fwd_kernel", "bf16"), ("_attention_bwd_kernel", "bf16"),
+    ]  # fmt: skip
+    for name, dt, shared, cubin in rows:
+        assert 0 < shared <= 227 * 1024 and cubin > 1000, (name, dt, shared)

@@ -283,8 +283,9 @@ def _backward(
     lo, hi, kok, qlo, qhi = bounds
     batch, heads, qlen, d_head = qc.shape
     klen = k.size(2)
-    # dO in O's layout so the two share strides; delta in float32 (float64) like LSE
-    if do.stride() != o.stride():
+    # dO in O's layout and dtype so the two share strides and tl.dot's operands one dtype;
+    # delta in float32 (float64) like LSE
+    if do.stride() != o.stride() or do.dtype != o.dtype:
         do = _like_heads(o).copy_(do)
     delta = (do.to(lse.dtype) * o.to(lse.dtype)).sum(-1).contiguous()  # [B, H, L]
     dq, dk, dv = _like_heads(qc), _like_heads(k), _like_heads(v)  # dq: o's strides
