@@ -348,3 +348,26 @@ def test_kernels_compile_for_cuda(tmp_path) -> None:
     ]  # fmt: skip
     for name, dt, shared, cubin in rows:
         assert 0 < shared <= 227 * 1024 and cubin > 1000, (name, dt, shared)
+
+
+def test_bounds_reproduce_the_mask_exactly() -> None:
+    """The kernels' rule, lo_i <= j <= hi_i and key j seen at all, gives back every mask the
+    model builds (per row, shared, memory validity with holes, same_length) and a row that
+    sees nothing."""
+    holes = torch.rand(2, M, generator=torch.Generator().manual_seed(3)) > 0.4
+    masks = [
+        attention_mask(L, M, mem_len=MEM_LEN, same_length=s, reset=r, mem_valid=mv)[0]
+        for s in (False, True)
+        for r in (None, doc_resets())
+        for mv in (None, holes)
+    ]
+    blind = masks[-1].clone()
+    blind[1, 0, 4] = False  # a query that sees no key
+    for mask in [*masks, blind]:
+        lo, hi, kok, qlo, qhi = triton_attention._bounds(mask, L, L + M, mask.device)
+        j = torch.arange(L + M)
+        rebuilt = (j >= lo[..., None]) & (j <= hi[..., None]) & (kok[:, None, :] != 0)
+        assert torch.equal(rebuilt, mask.reshape(-1, L, L + M))
+        # every query that sees key j lies in [qlo_j, qhi_j]
+        i = torch.arange(L)[:, None]
+        assert not (mask.reshape(-1, L, L + M) & ((i < qlo[:, None]) | (i > qhi[:, None]))).any()

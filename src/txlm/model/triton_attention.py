@@ -333,10 +333,10 @@ def _bounds(mask: Tensor | None, qlen: int, klen: int, device: torch.device) -> 
     if mask is None:
         mask = torch.ones(qlen, klen, dtype=torch.bool, device=device)
     m = mask.reshape(-1, qlen, klen).view(torch.uint8)  # [B', L, K], a view of the bools
-    # argmax returns the first maximum: the first True (a row or column of no True gets 0,
-    # and kok/the row's own range then hides it)
+    # argmax returns the first maximum: the first True. A row of no True gets an empty
+    # range (hi = -1); a key of no True gets kok = 0, which the kernels' key loops read
     lo = m.argmax(-1)
-    hi = (klen - 1) - m.flip(-1).argmax(-1)
+    hi = torch.where(m.amax(-1) > 0, (klen - 1) - m.flip(-1).argmax(-1), -1)
     kok = m.amax(-2)
     qlo = m.argmax(-2)
     qhi = (qlen - 1) - m.flip(-2).argmax(-2)
