@@ -25,8 +25,12 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
 7. training compiled (``run.compile=auto`` is on for CUDA): compile seconds and tokens/s;
    decoding compiled (``txlm generate --compile``); decoding batches of 1, 8 and 64 rows
    (memory 512, bf16, compiled and captured, and eager captured): tokens/s over all rows;
-8. the attention candidates (SDPA with the position term as a bias, or txlm's math; heads as
-   they are or padded to a multiple of 8), and training in fp32 (TF32 off) and tf32.
+8. the attention candidates (SDPA with the position term as a bias, txlm's math, or on CUDA
+   txlm's Triton kernel; heads as they are or padded to a multiple of 8), and training in
+   fp32 (TF32 off) and tf32.
+Correctness sections, failing like a missed target: the padded model against the plain one
+(``aligned_parity``) and the Triton attention against the math path, fp32, bf16 and compiled
+(``triton_attention_parity``).
 Models are built as txlm builds them on the device: on CUDA, heads padded to a multiple of 8
 (``txlm.model.align``, chosen by section 8's measurement) unless a row says otherwise.
 Every figure is the device's own; nothing here compares against another library. ``targets``
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -211,6 +216,65 @@ def aligned_parity(config: ModelConfig, device: torch.device) -> dict:
     if max(row.values()) > 1e-4:
         raise AssertionError(f"padded and plain models differ on {device}: {row}")
     return row
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_parity(config: ModelConfig, device: torch.device) -> dict:
+    """Correctness of attn_impl triton (txlm.model.triton_attention) on this device's
+    compiled kernels; on the CPU the tests prove it under Triton's interpreter (C34). A
+    2-layer model of ``config``'s widths, built as txlm builds it here (on CUDA padded:
+    heads, widths, keys aligned by masked slots), two training segments with memory and a
+    document reset, the kernel against the math path: the relative loss difference and the
+    largest gradient difference relative to the largest gradient. fp32 (TF32 off): over
+    1e-4 an error, like a missed target. On CUDA also bf16 autocast, set beside the math
+    path's own bf16 error against its fp32 (over 2x + 1e-2 an error), and the bf16 step
+    compiled (inductor) against the eager one."""
+    if not has_triton():
+        return {"skipped": "no triton package"}
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return {"skipped": "on the CPU the kernels need TRITON_INTERPRET=1"}
+    cfg = config.replace(n_layer=2, vocab_size=2000, cutoffs=[500, 1000], tie_projs=None,
+                         dropout=0.0, dropatt=0.0)  # fmt: skip
+    qlen = cfg.tgt_len
+    rows = 4 if device.type == "cuda" else 2
+    ids = synthetic_stream(cfg.vocab_size, rows, 2 * qlen + 1, 7).to(device)
+    reset = torch.zeros(rows, dtype=torch.bool, device=device)
+    reset[1] = True
+
+    def run(impl: str, name: str, compiled: bool = False) -> tuple[float, dict[str, Tensor]]:
+        model = build(cfg.replace(attn_impl=impl), device, seed=3).train()
+        fn = torch.compile(model) if compiled else model
+        seg1, seg2 = ids[:, :qlen], ids[:, qlen : 2 * qlen]
+        lab1, lab2 = ids[:, 1 : qlen + 1], ids[:, qlen + 1 : 2 * qlen + 1]
+        with precision(device, name):
+            first = fn(seg1, labels=lab1)
+            second = fn(seg2, mems=first.mems, reset=reset, mem_mask=first.mem_mask, labels=lab2)
+            total = first.losses.sum() + second.losses.sum()
+        total.backward()
+        return total.item(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+    def diff(a: tuple[float, dict], b: tuple[float, dict]) -> dict:
+        scale = max(g.abs().max().item() for g in b[1].values())
+        grad = max((a[1][n] - g).abs().max().item() for n, g in b[1].items())
+        return {"loss_rel_diff": abs(a[0] - b[0]) / max(abs(b[0]), 1.0),
+                "grad_rel_diff": grad / max(scale, 1e-30)}  # fmt: skip
+
+    math32 = run("math", "fp32")
+    out = {"fp32": diff(run("triton", "fp32"), math32)}
+    if max(out["fp32"].values()) > 1e-4:
+        raise AssertionError(f"triton attention differs from the math path on {device}: {out}")
+    if device.type == "cuda":
+        tri16 = run("triton", "bf16")
+        out["bf16"] = diff(tri16, math32)
+        out["bf16_math"] = diff(run("math", "bf16"), math32)
+        out["bf16_compiled_vs_eager"] = diff(run("triton", "bf16", compiled=True), tri16)
+        for key in ("loss_rel_diff", "grad_rel_diff"):
+            if out["bf16"][key] > 2 * out["bf16_math"][key] + 1e-2:
+                raise AssertionError(f"triton bf16 {key} beyond the math path's: {out}")
+    return out
 
 
 def count_flops(fn: Callable[[], object]) -> int:
@@ -485,7 +549,9 @@ def attention_choice(
     and head padding; the fastest of each wins."""
     name = "bf16" if device.type == "cuda" else "fp32"
     rows = []
-    for impl in ("sdpa", "math"):
+    # txlm's Triton kernel where it compiles (on a CPU only its interpreter runs: no timing)
+    impls = ("sdpa", "math") + (("triton",) if device.type == "cuda" and has_triton() else ())
+    for impl in impls:
         cfg = config.replace(attn_impl=impl)
         for padded in (False, True):
             if padded and config.d_head % 8 == 0:
@@ -653,6 +719,7 @@ def main(argv: list[str] | None = None) -> int:
 
     run.section("parity_max_abs_logprob_diff_vs_cpu", lambda: parity(config0, device))
     run.section("aligned_parity", lambda: aligned_parity(config0, device))
+    run.section("triton_attention_parity", lambda: triton_parity(config0, device))
     peaks_of = lambda: {p: round(matmul_peak(device, p, peak_n), 1) for p in precisions}  # noqa: E731
     run.section("matmul_peak_gflops", peaks_of)
     peaks = r.get("matmul_peak_gflops") or {p: math.nan for p in precisions}

@@ -10,6 +10,11 @@ import os
 import warnings
 from pathlib import Path
 
+# Triton decides when it decorates a kernel whether to compile it or interpret it; on this
+# CPU only the interpreter runs txlm.model.triton_attention (test_model_triton_attention.py).
+# Set before any test module imports triton; nothing else here runs Triton kernels.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]

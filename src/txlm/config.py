@@ -8,6 +8,7 @@ validated again). Presets name the configurations of the paper's tables; each ci
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
@@ -22,7 +23,10 @@ from txlm.errors import ConfigError
 #   "alrfou"  Al-Rfou et al. (2018): learned absolute embeddings added at every layer
 AttnType = Literal["xl", "shaw", "vaswani", "alrfou"]
 ATTN_TYPES = ("xl", "shaw", "vaswani", "alrfou")
-ATTN_IMPLS = ("sdpa", "math")
+# Attention kernels: "sdpa" torch's fused attention where it pays, "math" the reference
+# (explicit scores and softmax), "triton" txlm.model.triton_attention (needs the triton
+# package; on the CPU its interpreter, TRITON_INTERPRET=1)
+ATTN_IMPLS = ("sdpa", "math", "triton")
 
 
 @dataclass
@@ -59,7 +63,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     init_std: float = 0.02
     proj_init_std: float = 0.01
-    attn_impl: Literal["sdpa", "math"] = "sdpa"
+    attn_impl: Literal["sdpa", "math", "triton"] = "sdpa"
 
     def __post_init__(self) -> None:
         if self.d_embed is None:
@@ -116,6 +120,8 @@ class ModelConfig:
             raise ConfigError(f"attn_type must be one of {ATTN_TYPES}, got {self.attn_type!r}")
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError(f"attn_impl must be one of {ATTN_IMPLS}, got {self.attn_impl!r}")
+        if self.attn_impl == "triton" and importlib.util.find_spec("triton") is None:
+            raise ConfigError("attn_impl triton needs the triton package (pip install triton)")
         if self.same_length and self.mem_len < 1:
             raise ConfigError("same_length needs mem_len >= 1 (the window it keeps constant)")
         if self.cutoffs != sorted(set(self.cutoffs)) or any(

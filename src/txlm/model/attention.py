@@ -306,11 +306,17 @@ class RelativeAttention(nn.Module):
         else:
             rk = self.position_keys(pos) if pos is not None else None
             rk = _as(rk, k.dtype) if rk is not None else None
-        bias, fresh = self._bias(q, rk, mask, v, cache)
+        fused = self._use_triton(mask, cache, return_probs)  # makes no bias [B, H, L, K]
+        bias, fresh = (None, False) if fused else self._bias(q, rk, mask, v, cache)
         qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
 
         extras: dict[str, Tensor] = {}
-        if self._use_sdpa(q, rk, return_probs):
+        if fused:
+            from txlm.model import triton_attention  # the triton package only when used
+
+            qp = q if v is None else q + v.unsqueeze(1)  # position terms (b) + (d)
+            attn = triton_attention.relative_attention(qc, qp, k, val, rk, mask, self.scale)
+        elif self._use_sdpa(q, rk, return_probs):
             p_drop = self.dropatt if self.training else 0.0
             if bias is not None:
                 if bias.dim() == 3:
@@ -442,6 +448,15 @@ class RelativeAttention(nn.Module):
             kv = torch.cat(parts, dim=1)
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
         return q, k, val
+
+    def _use_triton(self, mask: Tensor | None, cache: LayerCache | None, probs: bool) -> bool:
+        """Whether txlm.model.triton_attention runs: for [memory; segment] keys under a bool
+        mask, with no probabilities asked for and no attention dropout to apply (it has
+        none); anything else takes the math path."""
+        if self.attn_impl != "triton" or cache is not None or probs:
+            return False
+        no_dropout = self.dropatt == 0 or not self.training
+        return no_dropout and (mask is None or mask.dtype == torch.bool)
 
     def _use_sdpa(self, q: Tensor, rk: Tensor | None, return_probs: bool) -> bool:
         """Whether the fused kernel runs; on the CPU the choice is measured
