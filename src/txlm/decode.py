@@ -30,6 +30,7 @@ running it alone.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -40,7 +41,7 @@ from txlm.head import DecodingHead
 from txlm.model.cache import KVCache
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
-from txlm.sampling import SamplingConfig, sample
+from txlm.sampling import SamplingConfig, draw_noise, sample
 
 
 def check_ids(rows: list[list[int]], vocab_size: int) -> None:
@@ -122,9 +123,12 @@ class _Reader:
         generator: torch.Generator | None = None,
         *,
         start_id: int | None = None,
+        repeats: int = 1,
     ) -> Tensor:
-        """Read the prompts; the first new token per row [B], drawn with ``sampling``."""
-        return sample(self.prefill_scores(prompts, start_id=start_id), sampling, generator)
+        """Read the prompts; the first new token per row [B x repeats], drawn with
+        ``sampling``. ``repeats``: rows per prompt (prompt-major), here each read again."""
+        rows = [r for r in prompts for _ in range(repeats)]
+        return sample(self.prefill_scores(rows, start_id=start_id), sampling, generator)
 
     def step_tokens(
         self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
@@ -195,6 +199,13 @@ class CachedDecoder(_Reader):
     replayed per token. Both need the static cache: the same shapes and operations every
     step, no host synchronisation.
 
+    Two step functions (C36): ``step_fn``, ids -> scores (``step``, ``step_scores``), and
+    ``token_fn``, ids + the draw's random numbers -> the next ids (``step_tokens``, what
+    generation calls): the draw inside the compiled or captured step, through the pruned
+    adaptive softmax (txlm.head.select, a ``torch.cond`` per cluster) when compiled. The
+    random numbers are drawn just before, outside it, from the caller's generator (one kernel),
+    so a compiled step draws the tokens an eager one draws with the same generator.
+
     ``dtype``: the weight products' dtype, fixed here: autocast's when it is on for the
     model's device as the decoder is made (and the weights are float32), else the weights'.
     A half-precision decoder holds its own copies of the layers' projections and the output
@@ -208,7 +219,7 @@ class CachedDecoder(_Reader):
         model: TransformerXL,
         *,
         lengths: Lengths | None = None,
-        compile: bool | str = False,
+        compile: bool | str | Callable = False,
         cuda_graph: bool | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -231,8 +242,10 @@ class CachedDecoder(_Reader):
         with torch.no_grad():
             self.weights = model.step_weights(dtype, self.cache_dtype)
             self.head = DecodingHead(model.softmax, dtype)
+        self.score_dtype = torch.float32 if half else dtype  # the head's scores (upcast)
         self.cache: KVCache | None = None  # made per prefill
-        self._step: Callable[[Tensor], Tensor] | None = None
+        # the step functions over this cache, per sampling setting (None: scores)
+        self._steps: dict[SamplingConfig | None, Callable[..., Tensor]] = {}
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """The prompt's segments run the modules: under autocast in the decoder's dtype when
@@ -246,7 +259,7 @@ class CachedDecoder(_Reader):
         self.cache = self.model.new_cache(
             batch, lengths=self.lengths, dtype=self.cache_dtype, static=self.static
         )
-        self._step = None
+        self._steps.clear()
 
     def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
         with self._autocast():
@@ -269,18 +282,33 @@ class CachedDecoder(_Reader):
 
     # -- one token ----------------------------------------------------------------------
     def step_fn(self, ids: Tensor) -> Tensor:
-        """One decoding step, ids [B] -> sampling scores [B, V]: the function that is
-        compiled or captured. Static shapes, no host synchronisation (static cache)."""
+        """One decoding step, ids [B] -> sampling scores [B, V]. Static shapes, no host
+        synchronisation (static cache): compiled or captured as it is."""
         return self.head.scores(self.hidden_step(ids))
+
+    def token_fn(self, ids: Tensor, noise: Tensor | None, sampling: SamplingConfig) -> Tensor:
+        """One decoding step and its draw, ids [B] + the draw's random numbers (``noise``,
+        txlm.sampling.draw_noise; None for greedy) -> the next ids [B]: a pure function of
+        them, the function that is compiled or captured, sampling included. Through the
+        pruned head where it can skip clusters (``_prunes``)."""
+        hidden = self.hidden_step(ids)
+        if self._prunes(sampling):
+            return self.head.select(hidden, sampling, noise=noise, host_branch=not self.compile)
+        return sample(self.head.scores(hidden), sampling, noise=noise)
 
     def hidden_step(self, ids: Tensor) -> Tensor:
         """ids [B] -> the last layer's output [B, D] for them, over the cache."""
         hidden, _, _ = self.model.transform(ids.view(-1, 1), cache=self.cache, weights=self.weights)
         return hidden[:, -1]
 
-    # -- pruned draws (txlm.head): eager CPU decoders, where the branch costs nothing ----
     def _prunes(self, sampling: SamplingConfig) -> bool:
-        return not self.static and self.device.type == "cpu" and self.head.prunes(sampling)
+        """Whether a step's draw goes through the pruned head (txlm.head.select): in a compiled
+        step (a ``torch.cond`` per cluster, traced into its graph) or an eager one on a CPU (a
+        host branch per cluster, free there); not in an eager step on a GPU (the branch would
+        wait for the device) or one replayed from a CUDA graph (an eager cond reads the host)."""
+        if not self.head.prunes(sampling):
+            return False
+        return bool(self.compile) or (not self.static and self.device.type == "cpu")
 
     def prefill_tokens(
         self,
@@ -289,62 +317,86 @@ class CachedDecoder(_Reader):
         generator: torch.Generator | None = None,
         *,
         start_id: int | None = None,
+        repeats: int = 1,
     ) -> Tensor:
-        if not self._prunes(sampling):
-            return super().prefill_tokens(prompts, sampling, generator, start_id=start_id)
-        return self._call(
-            lambda: self.head.select(self._read(prompts, start_id), sampling, generator)
-        )
+        """Read the prompts; the first new token per row [B x repeats]. ``repeats``: each
+        prompt is read once and its cache rows repeated (rows prompt-major: prompt b's
+        copies are rows b * repeats ..), the same as reading it ``repeats`` times."""
+
+        def run() -> Tensor:
+            hidden = self._read(prompts, start_id)  # [B, D]
+            if repeats > 1:
+                self._narrow()  # (the smaller cache: mem_len + 1 slots)
+                assert self.cache is not None
+                self.cache.repeat_rows(repeats)
+                hidden = hidden.repeat_interleave(repeats, dim=0)
+            if self.device.type == "cpu" and self.head.prunes(sampling):
+                return self.head.select(hidden, sampling, generator)
+            return sample(self.head.scores(hidden), sampling, generator)
+
+        return self._call(run)
 
     def step_tokens(
         self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
     ) -> Tensor:
-        if not self._prunes(sampling):
-            return super().step_tokens(ids, sampling, generator)
-        step = self._stepper(self.hidden_step)
+        """Feed one token per row ([B] ids); the next token per row [B], drawn with
+        ``sampling``. The draw's random numbers are drawn first, outside the step (one
+        kernel), so the step itself is the same function every token."""
         ids = ids.view(-1).to(self.device)
-        return self._call(lambda: self.head.select(step(ids), sampling, generator))
+        step = self._stepper(sampling)
+
+        def run() -> Tensor:
+            noise = draw_noise(sampling, ids.size(0), self.head.vocab_size, generator,
+                               self.device, self.score_dtype)  # fmt: skip
+            return step(ids, noise)
+
+        return self._call(run)
 
     def step_scores(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); sampling scores [B, V] of the next one."""
-        return self._call(lambda: self._stepper()(ids.view(-1).to(self.device)))
+        return self._call(lambda: self._stepper(None)(ids.view(-1).to(self.device)))
 
     def step(self, ids: Tensor) -> Tensor:
         """Feed one token per row ([B] ids); log-probabilities [B, V] of the next one."""
         return self.head.normalise(self.step_scores(ids))
 
-    def _stepper(
-        self, eager: Callable[[Tensor], Tensor] | None = None
-    ) -> Callable[[Tensor], Tensor]:
-        """The step to call: plain, compiled, or replayed from a CUDA graph (``eager``: that
-        function, run as it is). After the prompt the cache of one-token steps has
-        mem_len + 1 slots."""
+    def _narrow(self) -> None:
+        """After the prompt the cache of one-token steps has mem_len + 1 slots."""
         assert self.cache is not None, "prefill first"
         if self.cache.max_len != 1:
             self.cache = self.cache.resized(1)
-            self._step = None
-        if eager is not None:
-            return self._autocast_off(eager)
-        if self._step is None:
-            fn: Callable[[Tensor], Tensor] = self._autocast_off(self.step_fn)
-            if self.compile:  # True: inductor; a string names another backend
-                backend = self.compile if isinstance(self.compile, str) else "inductor"
+            self._steps.clear()
+
+    def _stepper(self, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+        """The step to call, plain, compiled, or replayed from a CUDA graph: ids -> scores
+        (``sampling`` None: ``step_fn``) or ids, noise -> next ids (``token_fn``). One per
+        sampling setting (a compiled step holds it as a constant)."""
+        self._narrow()
+        fn = self._steps.get(sampling)
+        if fn is None:
+            if sampling is None:
+                fn = self.step_fn
+            else:
+                fn = functools.partial(self.token_fn, sampling=sampling)
+            fn = self._autocast_off(fn)
+            if self.compile:  # True: inductor; a string (or a callable) names another backend
+                backend = "inductor" if self.compile is True else self.compile
                 fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
             if self.cuda_graph:
                 fn = GraphedStep(fn)
-            self._step = fn
-        return self._step
+            self._steps[sampling] = fn
+        return fn
 
-    def _autocast_off(self, fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    def _autocast_off(self, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
         """The one-token step casts explicitly (its weights are in the decoder's dtype):
         autocast off, whatever the caller's."""
         device = self.device.type
 
-        def run(ids: Tensor) -> Tensor:
+        def run(*inputs: Tensor | None) -> Tensor:
             if not torch.is_autocast_enabled(device):  # (entering the context costs a step)
-                return fn(ids)
+                return fn(*inputs)
             with torch.autocast(device, enabled=False):
-                return fn(ids)
+                return fn(*inputs)
 
         return run
 
@@ -353,26 +405,31 @@ class GraphedStep:
     """A decoding step captured in a CUDA graph on its second call and replayed after: one
     launch per token instead of one per operation. The first call runs eagerly (it warms up
     the kernels and, being a real step, leaves the cache as it should be); capturing records
-    without running, so the capturing call then replays once. Inputs go through a static
-    buffer; the output is the graph's own buffer, overwritten by the next replay. One graph
-    per decoder, so per batch size."""
+    without running, so the capturing call then replays once. Inputs (the ids, and the
+    draw's random numbers for a token step; None stays None) are copied into static buffers
+    of the shapes the graph was captured with; the output is the graph's own buffer,
+    overwritten by the next replay. One graph per step function, so per batch size and
+    sampling setting."""
 
-    def __init__(self, fn: Callable[[Tensor], Tensor]) -> None:
+    def __init__(self, fn: Callable[..., Tensor]) -> None:
         self.fn = fn
         self.calls = 0
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.inputs: list[Tensor | None] = []
 
-    def __call__(self, ids: Tensor) -> Tensor:
+    def __call__(self, *inputs: Tensor | None) -> Tensor:
         self.calls += 1
         if self.calls == 1:
-            return self.fn(ids)
+            return self.fn(*inputs)
         if self.graph is None:
-            self.ids = ids.clone()
+            self.inputs = [None if x is None else x.clone() for x in inputs]
             torch.cuda.synchronize()
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
-                self.out = self.fn(self.ids)
+                self.out = self.fn(*self.inputs)
         else:
-            self.ids.copy_(ids)
+            for buffer, x in zip(self.inputs, inputs, strict=True):
+                if buffer is not None:
+                    buffer.copy_(x)
         self.graph.replay()
         return self.out

@@ -7,8 +7,9 @@ The prompts are read by a decoder (txlm.decode: the context in end-aligned segme
 fill the memory, then one cached step per token) and each next token is drawn on the device
 (txlm.sampling: the renormalised top-k, k = 40 by default, optionally top-p, at a
 temperature, or greedy). Every row of a batch, the samples of a prompt included, decodes in
-one batch. No step or draw reads a value back to the host; ``stream`` syncs once per token,
-to hand the ids out.
+one batch; a prompt with several samples is read once, its cache rows then repeated. No
+step or draw reads a value back to the host; ``stream`` syncs once per token, to hand the
+ids out.
 
 An empty prompt starts from ``start_id`` (the vocabulary's end-of-sequence symbol in the CLI):
 in the paper's word-level corpora every line ends with it, so it is what precedes a new text.
@@ -53,10 +54,9 @@ def _as_rows(prompts: PromptLike | Sequence[PromptLike]) -> list[list[int]]:
 
 
 # -- the generation loop ----------------------------------------------------------------------
-def _expand(rows: list[list[int]], num_samples: int) -> list[list[int]]:
+def _check_samples(num_samples: int) -> None:
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or num_samples < 1:
         raise ConfigError(f"num-samples must be an integer >= 1, got {num_samples!r}")
-    return [r for r in rows for _ in range(num_samples)]
 
 
 def stream(
@@ -90,7 +90,7 @@ def stream(
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ConfigError(f"max-new-tokens must be a non-negative integer, got {max_new_tokens!r}")
     rows = _as_rows(prompts)
-    rows = _expand(rows, num_samples)
+    _check_samples(num_samples)
     if stop_id is not None and not 0 <= stop_id < model.config.vocab_size:
         raise ConfigError(
             f"stop id {stop_id} is outside the vocabulary (size {model.config.vocab_size})"
@@ -108,8 +108,11 @@ def stream(
             generator.manual_seed(seed)
     if max_new_tokens == 0:
         return
-    tokens = decoder.prefill_tokens(rows, sampling, generator, start_id=start_id)
-    finished = torch.zeros(len(rows), dtype=torch.bool, device=decoder.device)
+    # each prompt read once, its rows repeated for its samples (C36)
+    tokens = decoder.prefill_tokens(
+        rows, sampling, generator, start_id=start_id, repeats=num_samples
+    )
+    finished = torch.zeros(len(rows) * num_samples, dtype=torch.bool, device=decoder.device)
     for t in range(max_new_tokens):
         if stop_id is not None:
             tokens = tokens.masked_fill(finished, stop_id)

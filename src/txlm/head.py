@@ -23,8 +23,10 @@ head_c + log p(token | c) <= head_c, so:
   the tail product of the one cluster drawn only.
 Which clusters a batch needs is a device tensor. ``host_branch=True`` (eager, where reading
 it is free: a CPU) skips the others with a Python branch; otherwise each cluster is a
-``torch.cond`` on it, which a compiled step traces into its one graph. Other settings
-(top-p alone, a temperature without top-k) draw from the full distribution.
+``torch.cond`` on it, which a compiled step traces into its one graph; with the draw's
+random numbers given (``noise``, txlm.sampling.draw_noise) the whole selection is then a pure
+function of the hidden state and the noise. Other settings (top-p alone, a temperature
+without top-k) draw from the full distribution.
 """
 
 from __future__ import annotations
@@ -35,7 +37,15 @@ from torch import Tensor
 
 from txlm.model.adaptive import AdaptiveLogSoftmax
 from txlm.model.layout import one_row_layout
-from txlm.sampling import SamplingConfig, candidate_probs, cdf_index, draw, sample, upcast
+from txlm.sampling import (
+    SamplingConfig,
+    candidate_probs,
+    cdf_index,
+    draw_noise,
+    race,
+    sample,
+    upcast,
+)
 
 
 class DecodingHead:
@@ -113,16 +123,23 @@ class DecodingHead:
         sampling: SamplingConfig,
         generator: torch.Generator | None = None,
         *,
+        noise: Tensor | None = None,
         host_branch: bool = True,
     ) -> Tensor:
         """The next token per row, [B]: ``sample(scores(hidden), sampling, generator)``
-        with the tail clusters that cannot hold the draw skipped (see the module doc)."""
+        with the tail clusters that cannot hold the draw skipped (see the module doc).
+        ``noise``: the draw's random numbers (txlm.sampling.draw_noise over the vocabulary),
+        else drawn here from ``generator``."""
         if not self.prunes(sampling):
-            return sample(self.scores(hidden), sampling, generator)
+            return sample(self.scores(hidden), sampling, generator, noise=noise)
         head = self.head_log_probs(hidden)  # [B, shortlist + C]
+        if noise is None and not sampling.greedy:
+            noise = draw_noise(
+                sampling, head.size(0), self.vocab_size, generator, head.device, head.dtype
+            )
         if sampling.greedy or sampling.top_k is not None:
-            return self._select_top(hidden, head, sampling, generator, host_branch)
-        return self._select_two_stage(hidden, head, generator, host_branch)
+            return self._select_top(hidden, head, sampling, noise, host_branch)
+        return self._select_two_stage(hidden, head, noise, host_branch)
 
     def _cluster(self, need: Tensor, host_branch: bool, fn, skip, *operands: Tensor):
         """``fn(*operands)`` where some row needs the cluster (``need`` [B] bool), else
@@ -132,7 +149,7 @@ class DecodingHead:
             return fn(*operands) if bool(need.any()) else skip(*operands)
         return torch.cond(need.any(), fn, skip, operands)
 
-    def _select_top(self, hidden, head, sampling, generator, host_branch) -> Tensor:
+    def _select_top(self, hidden, head, sampling, noise, host_branch) -> Tensor:
         k = 1 if sampling.greedy else sampling.top_k
         short = self.shortlist
         vals, ids = head[:, :short].topk(k, dim=-1)  # [B, k]
@@ -159,13 +176,13 @@ class DecodingHead:
         ids = torch.cat(all_ids, dim=-1).gather(1, pos)
         if sampling.greedy:
             return ids[:, 0]
-        return ids.gather(1, draw(candidate_probs(vals, sampling), generator)).squeeze(1)
+        return ids.gather(1, race(candidate_probs(vals, sampling), noise)).squeeze(1)
 
-    def _select_two_stage(self, hidden, head, generator, host_branch) -> Tensor:
+    def _select_two_stage(self, hidden, head, noise, host_branch) -> Tensor:
         short = self.shortlist
         probs = head.exp()  # [B, shortlist + C]: tokens of the shortlist, then clusters
         cdf = probs.cumsum(dim=-1)
-        u = torch.rand(head.size(0), 1, generator=generator, device=head.device, dtype=cdf.dtype)
+        u = noise.to(cdf.dtype)  # [B, 1]
         first = cdf_index(cdf, u)  # [B]
         token = first.clone()  # right where it is a shortlist token
         for i in range(1, self.n_clusters + 1):

@@ -9,6 +9,12 @@ follow a decoding step inside one captured graph. A draw is an exponential race 
 argmax p_i / E_i, what ``torch.multinomial`` computes for one sample), so the same generator
 state gives the same token whichever of these functions computed the probabilities; a draw
 over a whole vocabulary inverts the CDF at one uniform (``draw_cdf``).
+
+The random numbers of a draw (``noise``: an exponential per top-k candidate, or one uniform
+per row) can be drawn ahead, ``draw_noise``, and the draw given them: a pure function of the
+scores and the noise, which a compiled or captured decoding step can hold (a generator can
+be neither traced nor captured). Drawn with the same generator, shape and dtype as the draw
+itself would, they are the same numbers, so the same token.
 """
 
 from __future__ import annotations
@@ -75,7 +81,11 @@ def filter_log_probs(log_probs: Tensor, config: SamplingConfig) -> Tensor:
 
 
 def sample(
-    scores: Tensor, config: SamplingConfig, generator: torch.Generator | None = None
+    scores: Tensor,
+    config: SamplingConfig,
+    generator: torch.Generator | None = None,
+    *,
+    noise: Tensor | None = None,
 ) -> Tensor:
     """Draw one token per row: [B, V] scores -> [B] ids.
 
@@ -83,16 +93,57 @@ def sample(
     matter (the kept mass is renormalised), so the decoder can skip the log-softmax.
     A top-k cut draws among its k candidates (``draw``); a draw over the whole vocabulary
     inverts the distribution's CDF at one uniform per row (``draw_cdf``), the rule an
-    adaptive softmax can follow cluster by cluster (txlm.head).
+    adaptive softmax can follow cluster by cluster (txlm.head). ``noise``: the draw's
+    random numbers (``draw_noise``), else drawn here from ``generator``.
     """
     if config.greedy:
         return scores.argmax(dim=-1)
+    if noise is None:
+        noise = draw_noise(config, scores.size(0), scores.size(-1), generator, scores.device,
+                           upcast(scores).dtype)  # fmt: skip
     top = top_k_candidates(scores, config)
     if top is not None:
         probs, ids = top
-        return ids.gather(1, draw(probs, generator)).squeeze(1)
+        return ids.gather(1, race(probs, noise)).squeeze(1)
     probs = filter_log_probs(scores, config).softmax(dim=-1)
-    return draw_cdf(probs, generator)
+    return cdf_index(probs.cumsum(dim=-1), noise.to(probs.dtype))
+
+
+def noise_shape(config: SamplingConfig, batch: int, vocab: int) -> tuple[str, int] | None:
+    """What a draw of ``config`` over [batch, vocab] scores consumes: ("exponential", k),
+    an exponential per top-k candidate [batch, k]; ("uniform", 1), a uniform per row
+    [batch, 1]; None for greedy decoding (no random numbers)."""
+    if config.greedy:
+        return None
+    if config.top_k is not None and config.top_k < vocab:
+        return "exponential", config.top_k
+    return "uniform", 1
+
+
+def draw_noise(
+    config: SamplingConfig,
+    batch: int,
+    vocab: int,
+    generator: torch.Generator | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: Tensor | None = None,
+) -> Tensor | None:
+    """The random numbers of one draw (``noise_shape``), in ``out`` when given (a static
+    buffer: one kernel, no allocation). ``dtype``: the scores' (exponentials are compared
+    with the candidates' probabilities in it); a uniform is float32, as the probabilities
+    of a full draw (``filter_log_probs``). The same numbers as the draw makes itself."""
+    shape = noise_shape(config, batch, vocab)
+    if shape is None:
+        return None
+    kind, width = shape
+    if out is None:
+        dtype = dtype if kind == "exponential" else torch.float32
+        out = torch.empty(batch, width, device=device, dtype=dtype)
+    if kind == "exponential":
+        return out.exponential_(generator=generator)
+    return out.uniform_(generator=generator)
 
 
 def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Tensor] | None:
@@ -142,7 +193,11 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     It is the same computation (ATen draws a single sample as argmax p_i / E_i with E_i
     exponential, one per candidate), so the same generator state gives the same index.
     """
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return race(probs, torch.empty_like(probs).exponential_(generator=generator))
+
+
+def race(probs: Tensor, noise: Tensor) -> Tensor:
+    """[B, k] probabilities, [B, k] exponentials -> [B, 1]: the index of argmax p_i / E_i."""
     return (probs / noise).argmax(dim=-1, keepdim=True)
 
 

@@ -315,3 +315,11 @@ class KVCache:
         if self.tables is not None and new.slots <= self.slots:  # distances 0 .. S'-1: a prefix
             new.tables = [t[:, : new.slots].contiguous() for t in self.tables]
         return new
+
+    def repeat_rows(self, repeats: int) -> None:
+        """Each row becomes ``repeats`` consecutive rows (row b's copies: b * repeats ..), its
+        keys, values and document state with it: a prompt read once, decoded as several
+        samples. Positions and tables are shared by all rows and stay."""
+        self.kv = self.kv.repeat_interleave(repeats, dim=2)  # [N, 2, B, H, S, Dh]
+        self.doc = self.doc.repeat_interleave(repeats, dim=0)
+        self.open_doc = self.open_doc.repeat_interleave(repeats, dim=0)

@@ -1,0 +1,81 @@
+"""Contract 36: a prompt with N samples is read once, its cache rows then repeated.
+
+``generate(prompts, num_samples=N)`` must give exactly the tokens of generating from the
+prompts written out N times each (the draw of row r from the same generator stream as
+before), with an eager and a static (compiled) cache, prompts of different lengths (left
+padding: per-row document masks), a plain and an adaptive softmax; and the decoder reads
+each distinct prompt once: every context segment has one row per prompt.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from txlm.config import ModelConfig
+from txlm.decode import CachedDecoder
+from txlm.generate import generate
+from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig
+
+PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 4, 6, 2], [11, 4], [7, 7, 1, 2, 9]]  # 11 > tgt_len 8
+
+
+def _model(**overrides) -> TransformerXL:
+    config = ModelConfig.from_preset("debug", **{"tgt_len": 8, "mem_len": 12, **overrides})
+    torch.manual_seed(2)
+    model = TransformerXL(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.25)
+    return model
+
+
+MODELS = {"full": {}, "adaptive": dict(vocab_size=64, cutoffs=[8, 24, 40], div_val=2)}
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("compile", [False, "aot_eager"])
+def test_repeated_rows_give_the_tokens_of_the_prompts_written_out(kind, compile, monkeypatch):
+    torch._dynamo.reset()
+    model = _model(**MODELS[kind])
+    widths = []
+    segment = CachedDecoder._segment
+
+    def counted(self, ids, reset):
+        widths.append(ids.size(0))
+        return segment(self, ids, reset)
+
+    monkeypatch.setattr(CachedDecoder, "_segment", counted)
+    for n in (1, 3):
+        expanded = [p for p in PROMPTS for _ in range(n)]
+        for sampling in (SamplingConfig(top_k=5), SamplingConfig(top_k=None)):
+            kw = dict(max_new_tokens=24, sampling=sampling, seed=11, compile=compile)
+            widths.clear()
+            got = generate(model, PROMPTS, num_samples=n, **kw)
+            assert set(widths) == {len(PROMPTS)}  # every segment: one row per prompt
+            want = generate(model, expanded, **kw)
+            assert got == want
+            if n > 1:  # the samples of a prompt are independent draws
+                assert len({tuple(r) for r in got[:n]}) > 1
+
+
+def test_repeated_cache_equals_the_cache_of_the_prompts_read_again() -> None:
+    """The rows, document ids (left padding) and write position after ``repeat_rows``
+    equal those of reading every copy."""
+    model = _model()
+    once, again = CachedDecoder(model), CachedDecoder(model)
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    sampling = SamplingConfig(greedy=True)
+    first = once.prefill_tokens(PROMPTS, sampling, g1, repeats=3)
+    assert torch.equal(
+        first, again.prefill_tokens([p for p in PROMPTS for _ in range(3)], sampling, g2)
+    )
+    again._narrow()
+    a, b = once.cache, again.cache
+    assert a is not None and b is not None and a.batch == b.batch == 9
+    assert torch.equal(a.kv, b.kv)
+    assert torch.equal(a.doc, b.doc) and torch.equal(a.open_doc, b.open_doc)
+    assert torch.equal(a.pos, b.pos) and int(a.next_pos) == int(b.next_pos)
+    assert torch.equal(a.memory_valid(), b.memory_valid())
