@@ -14,10 +14,13 @@ takes it (batching, the objective, clipping, fused Adam, the memory hand-over an
 step's numbers) on a generated character corpus at the same shape, and greedy decoding
 (batch 1, mem 512, 32 tokens after a 512-token context, steps only: ``generate``).
 ``generate_call``: whole ``txlm.generate`` calls (decoder set-up, a 256-token prompt, 64 new
-tokens drawn from the top 40: what a user times) on bench_hf_baseline.py's model (d_model
-256, a 10,000-word softmax without cutoffs). Either side may be a revision with lengths held
-in the model (``set_lengths``) or passed per call (``Lengths``). Writes
-runs/bench/compare_revisions.json (--out).
+tokens drawn from the top 40: what a user times) on a model of bench_hf_baseline.py's shape
+(d_model 256, a 10,000-word softmax without cutoffs); ``generate_call_hf``: the same calls on
+bench_hf_baseline.py's model itself, a random transformers TransfoXL (adaptive softmax with no
+cutoffs, shared position biases) converted by each revision's ``txlm.convert``;
+``generate_call_samples``: the call with 4 samples of the prompt (``num_samples``). Either
+side may be a revision with lengths held in the model (``set_lengths``) or passed per call
+(``Lengths``). Writes runs/bench/compare_revisions.json (--out).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import bench_hf_baseline  # (benchmarks/ is the script's directory)
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/compare_revisions.json updates the committed one
@@ -57,9 +62,28 @@ def import_old(src: Path, into: Path):
     return {name: importlib.import_module(f"txlm_old.{name}") for name in MODULES}
 
 
-MODULES = ("config", "model", "generate", "model.kv_eval")
+MODULES = ("config", "model", "generate", "model.kv_eval", "convert")
 # the HF-converted anchor of bench_hf_baseline.py: a full 10k softmax, no cutoffs
 CALL_SHAPE = {**SHAPE, "vocab_size": 10000}
+
+
+def hf_state() -> tuple[dict, dict]:
+    """A random HF TransfoXL's config (a dict) and weights, seeded."""
+    import warnings
+
+    from transformers import TransfoXLConfig, TransfoXLLMHeadModel
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = TransfoXLLMHeadModel(TransfoXLConfig(**bench_hf_baseline.SHAPE))
+    return hf.config.to_dict(), hf.state_dict()
+
+
+def converted(mods: dict, hf: tuple[dict, dict]):
+    """The HF model as ``mods``' revision converts it."""
+    convert = mods["convert"]
+    return convert.load_hf_state_dict(hf[1], convert.hf_config_to_model_config(hf[0]))
 
 
 def _trainer(package: str, work: Path):
@@ -105,7 +129,7 @@ def decoder_class(mods: dict):
     return importlib.import_module(gen.__name__.replace(".generate", ".decode")).CachedDecoder
 
 
-def workloads(mods: dict, model, call_model, ids: torch.Tensor, work: Path) -> dict:
+def workloads(mods: dict, model, call_model, hf_model, ids: torch.Tensor, work: Path) -> dict:
     def train():
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         st = {"mems": None, "i": 0}
@@ -170,18 +194,22 @@ def workloads(mods: dict, model, call_model, ids: torch.Tensor, work: Path) -> d
         account = getattr(t, "account", None)
         return lambda: account(t.train_step()) if account else t.train_step()
 
-    def generate_call():
-        call_model.eval()
-        prompt = torch.randint(0, 10000, (256,), generator=torch.Generator().manual_seed(4))
-        state = {"seed": 0}
+    def generate_call(m, samples: int = 1):
+        def setup():
+            m.eval()
+            prompt = torch.randint(0, 10000, (256,), generator=torch.Generator().manual_seed(4))
+            state = {"seed": 0}
 
-        def f():
-            state["seed"] += 1
-            mods["generate"].generate(
-                call_model, prompt.tolist(), max_new_tokens=64, top_k=40, seed=state["seed"]
-            )
+            def f():
+                state["seed"] += 1
+                mods["generate"].generate(
+                    m, prompt.tolist(), max_new_tokens=64, top_k=40, seed=state["seed"],
+                    num_samples=samples,
+                )  # fmt: skip
 
-        return f
+            return f
+
+        return setup
 
     return {
         "train": (train, 2),
@@ -191,7 +219,9 @@ def workloads(mods: dict, model, call_model, ids: torch.Tensor, work: Path) -> d
         "eval_m512": (evaluate(512, False), 3),
         "eval_m512_kv": (evaluate(512, True), 3),
         "generate": (decode, 1),
-        "generate_call": (generate_call, 1),
+        "generate_call": (generate_call(call_model), 1),
+        "generate_call_hf": (generate_call(hf_model), 1),
+        "generate_call_samples": (generate_call(call_model, 4), 1),
     }
 
 
@@ -224,11 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         new_call = new_mods["model"].TransformerXL(new_mods["config"].ModelConfig(**CALL_SHAPE))
         old_call = old_mods["model"].TransformerXL(old_mods["config"].ModelConfig(**CALL_SHAPE))
         old_call.load_state_dict(new_call.state_dict())
+        hf = hf_state()
+        new_hf, old_hf = converted(new_mods, hf), converted(old_mods, hf)
         ids = torch.randint(0, 204, (8, 129 * 6), generator=torch.Generator().manual_seed(1))
         work = Path(tmp)
         runs = {
-            "old": workloads(old_mods, old, old_call, ids, work),
-            "new": workloads(new_mods, new, new_call, ids, work),
+            "old": workloads(old_mods, old, old_call, old_hf, ids, work),
+            "new": workloads(new_mods, new, new_call, new_hf, ids, work),
         }
         names = args.only.split(",") if args.only else list(runs["new"])
         result: dict = {

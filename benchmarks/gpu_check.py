@@ -25,6 +25,8 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
 7. training compiled (``run.compile=auto`` is on for CUDA): compile seconds and tokens/s;
    decoding compiled (``txlm generate --compile``); decoding batches of 1, 8 and 64 rows
    (memory 512, bf16, compiled and captured, and eager captured): tokens/s over all rows;
+   the same batches with the draw inside the compiled, captured step (greedy and top-k 40,
+   through the pruned adaptive softmax: ``step_tokens``);
 8. the attention candidates (SDPA with the position term as a bias, txlm's math, or on CUDA
    txlm's Triton kernel; heads as they are or padded to a multiple of 8), and training in
    fp32 (TF32 off) and tf32.
@@ -68,6 +70,7 @@ from txlm.data.vocab import Vocab
 from txlm.decode import CachedDecoder
 from txlm.model import align
 from txlm.model.kv_eval import CachedEvaluator
+from txlm.sampling import SamplingConfig
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
 from txlm.training.step import TailBuckets
@@ -467,6 +470,38 @@ def generate(
     return round(rate, 1), torch.stack([r.float().cpu() for r in rows])
 
 
+def draw_tokens(
+    config: ModelConfig,
+    device: torch.device,
+    sampling: SamplingConfig,
+    new: int,
+    context: int = 512,
+    *,
+    batch: int = 1,
+) -> float:
+    """Decoding speed with the draw inside the step (``CachedDecoder.step_tokens``, what
+    ``txlm generate`` runs): bf16, compiled and captured on CUDA, through the pruned adaptive
+    softmax when ``sampling`` lets it skip clusters (greedy, top-k within the shortlist).
+    Tokens/s over all ``batch`` rows, timed after 3 warm-up steps."""
+    model = build(config, device).eval()
+    lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, config.vocab_size, (batch, context), generator=g).tolist()
+    backend = "inductor" if device.type == "cuda" else "eager"
+    draws = torch.Generator(device=device).manual_seed(4)
+    with torch.no_grad(), precision(device, "bf16"):
+        dec = CachedDecoder(model, lengths=lengths, compile=backend)
+        tokens = dec.prefill_tokens(prompts, sampling, draws)
+        for _ in range(3):
+            tokens = dec.step_tokens(tokens, sampling, draws)
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(new):
+            tokens = dec.step_tokens(tokens, sampling, draws)
+        sync(device)
+    return round(batch * new / (time.perf_counter() - t0), 1)
+
+
 # kernel (CUDA) or operator (CPU) name fragments per class, matched in this order
 KERNEL_CLASSES = {
     "optimizer": ("adam", "multi_tensor", "foreach"),
@@ -801,6 +836,19 @@ def main(argv: list[str] | None = None) -> int:
             }
 
     run.section("decode batch", decode_batches)
+
+    def decode_pruned() -> None:
+        # the draw inside the compiled, captured step; with clusters (wt103-base) through
+        # the pruned softmax: the tail clusters a batch's candidates cannot reach are skipped
+        by_batch = r.setdefault("generate_draw_tokens_per_s", {})
+        for name, sampling in (("greedy", SamplingConfig(greedy=True)),
+                               ("top_k40", SamplingConfig(top_k=40))):  # fmt: skip
+            by_batch[name] = {
+                str(b): draw_tokens(config0, device, sampling, new, context, batch=b)
+                for b in ((1, 2) if args.quick else (1, 8, 64))
+            }
+
+    run.section("decode draw", decode_pruned)
     run.section("txlm_generate_cli", lambda: generate_cli(device, 64 if args.quick else 1000,
                                                           args.quick))  # fmt: skip
     for shape in list(shapes)[1:]:
