@@ -72,7 +72,8 @@ def inference_call(
 
 
 class _Reader:
-    """Shared by the decoders: reading the prompts in end-aligned segments."""
+    """Shared by the decoders: reading the prompts in end-aligned segments (``_segment``:
+    one segment through the decoder's memory)."""
 
     def __init__(self, model: TransformerXL, lengths: Lengths | None) -> None:
         self.model = model
@@ -114,27 +115,6 @@ class _Reader:
             hidden = self._segment(ids[:, lo:hi], starts[:, lo:hi] if padded else None)
         assert hidden is not None
         return hidden[:, -1]
-
-    # what the generation loop calls: the next token per row, drawn on the device
-    def prefill_tokens(
-        self,
-        prompts: Sequence[Sequence[int]],
-        sampling: SamplingConfig,
-        generator: torch.Generator | None = None,
-        *,
-        start_id: int | None = None,
-        repeats: int = 1,
-    ) -> Tensor:
-        """Read the prompts; the first new token per row [B x repeats], drawn with
-        ``sampling``. ``repeats``: rows per prompt (prompt-major), here each read again."""
-        rows = [r for r in prompts for _ in range(repeats)]
-        return sample(self.prefill_scores(rows, start_id=start_id), sampling, generator)
-
-    def step_tokens(
-        self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
-    ) -> Tensor:
-        """Feed one token per row ([B] ids); the next token per row [B]."""
-        return sample(self.step_scores(ids), sampling, generator)
 
     def _segments(self, width: int) -> list[tuple[int, int]]:
         """[lo, hi) bounds of the context segments: full tgt_len ones, the remainder first."""
@@ -181,6 +161,27 @@ class UncachedDecoder(_Reader):
         return self._call(run)
 
     step_scores = step
+
+    # what the generation loop calls: the next token per row, from the full distribution
+    def prefill_tokens(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+        generator: torch.Generator | None = None,
+        *,
+        start_id: int | None = None,
+        repeats: int = 1,
+    ) -> Tensor:
+        """Read the prompts; the first new token per row [B x repeats], drawn with
+        ``sampling``. ``repeats``: rows per prompt (prompt-major), here each read again."""
+        rows = [r for r in prompts for _ in range(repeats)]
+        return sample(self.prefill_scores(rows, start_id=start_id), sampling, generator)
+
+    def step_tokens(
+        self, ids: Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None
+    ) -> Tensor:
+        """Feed one token per row ([B] ids); the next token per row [B]."""
+        return sample(self.step_scores(ids), sampling, generator)
 
 
 class CachedDecoder(_Reader):

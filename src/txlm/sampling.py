@@ -164,7 +164,7 @@ def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Te
 def candidate_probs(vals: Tensor, config: SamplingConfig) -> Tensor:
     """The k best scores [B, k], largest first -> their sampling probabilities [B, k]:
     temperature, then the nucleus rule of ``filter_log_probs`` among them, renormalised."""
-    kept = vals / config.temperature
+    kept = vals if config.temperature == 1.0 else vals / config.temperature
     if config.top_p is not None and config.top_p < 1.0:
         probs = kept.softmax(dim=-1)  # already sorted: the nucleus rule of filter_log_probs
         before = probs.cumsum(dim=-1) - probs
