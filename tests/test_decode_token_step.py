@@ -36,6 +36,15 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's compiled steps traced anew and dropped after it (dynamo keeps a bounded
+    number of graphs per function across tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _model() -> TransformerXL:
     config = ModelConfig.from_preset(
         "debug", vocab_size=64, cutoffs=CUTOFFS, div_val=2, tgt_len=8, mem_len=16

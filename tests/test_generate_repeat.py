@@ -21,6 +21,15 @@ from txlm.sampling import SamplingConfig
 PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 4, 6, 2], [11, 4], [7, 7, 1, 2, 9]]  # 11 > tgt_len 8
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test's compiled steps traced anew and dropped after it (dynamo keeps a bounded
+    number of graphs per function across tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _model(**overrides) -> TransformerXL:
     config = ModelConfig.from_preset("debug", **{"tgt_len": 8, "mem_len": 12, **overrides})
     torch.manual_seed(2)
