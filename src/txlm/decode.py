@@ -368,7 +368,7 @@ class CachedDecoder(_Reader):
             self.cache = self.cache.resized(1)
             self._steps.clear()
 
-    def _stepper(self, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+    def _stepper(self, sampling: SamplingConfig | None = None) -> Callable[..., Tensor]:
         """The step to call, plain, compiled, or replayed from a CUDA graph: ids -> scores
         (``sampling`` None: ``step_fn``) or ids, noise -> next ids (``token_fn``). One per
         sampling setting (a compiled step holds it as a constant)."""
