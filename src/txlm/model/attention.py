@@ -79,22 +79,15 @@ def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
 
 
-def fused_rows(x: Tensor) -> bool:
-    """Whether a one-query step writes its products over ``x`` [B, ...] (B rows) as
-    elementwise products and sums: when torch.compile traces it for one row. The compiler
-    then fuses each product with the operations around it into one generated kernel (a
-    library matrix product is a kernel of its own, with another for what follows it); for
-    one row the product only streams its weight, so a fused reduction reads the same bytes.
-    Eagerly, and for several rows (where a library product reuses each weight across rows),
-    the step calls the library products: one call each, no [.., in, out] temporary."""
-    return x.size(0) == 1 and torch.compiler.is_compiling()
-
-
 def row_product(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
     """x [1, in] @ w_t [in, out] (+ bias [out]) written as a reduction over ``in``: a
-    decoding step's product when ``fused_rows`` (the compiler fuses it with its
-    neighbours). The step calls it only then: eagerly it calls ``mm`` / ``addmm`` itself,
-    with no wrapper call in between."""
+    decoding step's product when it is traced for one row (``CacheStep.fused``).
+
+    The compiler then fuses each product with the operations around it into one generated
+    kernel (a library matrix product is a kernel of its own, with another for what follows
+    it); for one row a product only streams its weight, so a fused reduction reads the same
+    bytes. Eagerly, and for several rows (where a library product reuses each weight across
+    rows), the step calls ``mm`` / ``addmm`` itself, with no wrapper call in between."""
     out = (x.view(-1, 1) * w_t).sum(0, keepdim=True)
     return out if bias is None else out + bias
 
@@ -366,16 +359,18 @@ class RelativeAttention(nn.Module):
         gathered by the step's index (a static step); the mask is the step's. ``w``: this
         layer's weights laid out for one-row products (txlm.model.layout), in their own
         dtype: inputs are cast to it and results back (a bf16 decoder over a float32 cache).
-        Traced by torch.compile for one row (``fused_rows``) the same terms are written as
-        elementwise products and sums: the compiler then fuses the whole layer into a few
-        loop nests around the cache write, with no library call (ARCHITECTURE.md, C35).
+        Traced by torch.compile for one row (``cache.step.fused``) the same terms are written
+        as elementwise products and sums (``row_product``): the compiler then fuses the whole
+        layer into a few loop nests around the cache write, with no library call
+        (ARCHITECTURE.md, C35).
         Inference only (no dropout).
         """
         batch, n_head, d_head = h.size(0), self.n_head, self.d_head
         inner = n_head * d_head
         act = h.dtype
         wdt = w.qkv_t.dtype
-        fused = fused_rows(h)  # products as reductions the compiler fuses (see fused_rows)
+        step = cache.step
+        fused = step.fused  # products as reductions the compiler fuses (row_product)
         x = _norm(h, *w.norm1) if self.pre_lnorm else h
         x = x if wdt == act else x.to(wdt)
         qkv = row_product(x, w.qkv_t) if fused else torch.mm(x, w.qkv_t)  # [B, 3 I]
@@ -383,7 +378,7 @@ class RelativeAttention(nn.Module):
         keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
         q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
         qc = (q if w.u is None else q + w.u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
-        step, width = cache.step, keys.size(1)
+        width = keys.size(1)
         rk = cache.table  # [H, W, Dh] in slot order, or [H, S, Dh] per distance; scaled
         if fused:  # [B H, W]: both terms in one reduction over Dh, the gather an indexed load
             scores = (qc * keys).sum(-1) * self.scale
@@ -486,35 +481,29 @@ class PositionwiseFF(nn.Module):
         self.drop = Dropout(config.dropout)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
-    def forward(self, h: Tensor, weights: StepWeights | None = None) -> Tensor:
-        """h [..., D] -> [..., D]. ``weights``: the two layers laid out for one-row products
-        (a decoding step, txlm.model.layout), in their own dtype: the input is cast to it and
-        the result back."""
-        if weights is None:  # addmm(b, x, W^T) is what F.linear runs for a 2-D input
-            fc1, fc2, n = self.fc1, self.fc2, self.norm
-            w1, b1, w2, b2 = fc1.weight.t(), fc1.bias, fc2.weight.t(), fc2.bias
-            norm, p, training = (n.weight, n.bias, n.eps), self.drop.p, self.training
-        else:  # a decoding step: inference, no dropout
-            w1, b1, w2, b2 = weights.fc1_t, weights.fc1_b, weights.fc2_t, weights.fc2_b
-            norm = weights.norm2
-        dim = (h.size(-1),)
+    def forward(self, h: Tensor) -> Tensor:
+        """h [..., D] -> [..., D]."""
+        norm, p, training = self.norm, self.drop.p, self.training
+        x = layer_norm(norm, h) if self.pre_lnorm else h
+        # on rows [B L, D]: a 2-D input with a bias is one addmm per layer (addmm(b, x, W^T)
+        # is what F.linear runs for one), where torch may run a 3-D one as a product and a
+        # separate pass to add the bias
+        x = x.reshape(-1, h.size(-1))
+        w1 = self.fc1.weight.t()
+        out = torch.addmm(self.fc1.bias, _as(x, w1.dtype), w1).relu_()
+        out = torch.addmm(self.fc2.bias, dropout(out, p, training), self.fc2.weight.t())
+        out = dropout(out.view(h.shape), p, training)
+        return h + out if self.pre_lnorm else layer_norm(norm, h + out)
 
-        def ln(t: Tensor) -> Tensor:  # training: bf16 activations stay bf16 (layer_norm)
-            return layer_norm(self.norm, t) if weights is None else _norm(t, *norm)
-
-        x = ln(h) if self.pre_lnorm else h
-        # on rows [B L, D]: a 2-D input with a bias is one addmm per layer, where torch may
-        # run a 3-D one as a product and a separate pass to add the bias
-        x = x.reshape(-1, dim[0])
-        if weights is not None:  # a decoding step, then back to the stream's dtype
-            x = _as(x, w1.dtype)
-            if fused_rows(x):  # reductions the compiler fuses (see fused_rows)
-                out = row_product(row_product(x, w1, b1).relu_(), w2, b2)
-            else:
-                out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
-            out = _as(out, h.dtype).view(h.shape)
+    def decode_one(self, h: Tensor, w: StepWeights, fused: bool) -> Tensor:
+        """``forward`` for one query per row, h [B, D] -> [B, D], on ``w``: the two layers
+        laid out for one-row products (txlm.model.layout) in their own dtype, the input cast
+        to it and the result back. ``fused``: as reductions (``row_product``). Inference."""
+        x = _norm(h, *w.norm2) if self.pre_lnorm else h
+        x = _as(x, w.fc1_t.dtype)
+        if fused:
+            out = row_product(row_product(x, w.fc1_t, w.fc1_b).relu_(), w.fc2_t, w.fc2_b)
         else:
-            out = torch.addmm(b1, _as(x, w1.dtype), w1).relu_()
-            out = torch.addmm(b2, dropout(out, p, training), w2)
-            out = dropout(out.view(h.shape), p, training)
-        return h + out if self.pre_lnorm else ln(h + out)
+            out = torch.addmm(w.fc2_b, torch.addmm(w.fc1_b, x, w.fc1_t).relu_(), w.fc2_t)
+        out = _as(out, h.dtype)
+        return h + out if self.pre_lnorm else _norm(h + out, *w.norm2)

@@ -61,6 +61,10 @@ class CacheStep:
     ring: int = 0  # eager one-token step: where its slot-ordered keys start in ``ring_tables``
     hidden: int | None = None  # eager one-token step with same_length: the one slot it may
     # not see (the oldest of a full ring), None when it sees every written slot
+    traced: bool = False  # made inside a torch.compile trace (decided once a step, not per
+    # layer: the layers read these two flags)
+    fused: bool = False  # traced, one row and one query: the layers write their products as
+    # reductions the compiler fuses (attention.row_product)
 
 
 @dataclass
@@ -93,7 +97,7 @@ class LayerCache:
         buffer = cache.kv[self.layer]  # [2, B, H, S, Dh]
         _, batch, heads, _, d_head = buffer.shape
         kv = kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype)
-        if torch.compiler.is_compiling():
+        if step.traced:
             # Traced, a write into a view of the buffer becomes a copy of the whole layer
             # (functionalisation), every layer and token; indexing the buffer itself with
             # tensors (layer, slot) is an in-place scatter of the B x 2 H rows only. Eagerly
@@ -239,7 +243,11 @@ class KVCache:
         # one 0 / -inf bias for every layer of the segment
         mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
-        return CacheStep(slots, mask, dist.clamp(0, self.slots - 1), self.slots)
+        traced = torch.compiler.is_compiling()
+        fused = traced and qlen == 1 and self.batch == 1
+        return CacheStep(
+            slots, mask, dist.clamp(0, self.slots - 1), self.slots, traced=traced, fused=fused
+        )
 
     def _sync(self) -> None:
         """Bring the device's pos / next_pos up to ``written`` after unmasked eager steps:

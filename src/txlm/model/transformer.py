@@ -70,7 +70,9 @@ class DecoderLayer(nn.Module):
         """One query per row over the cache (a decoding step): rows h [B, D] -> [B, D], the
         attention's one-query form and the feed-forward on ``weights``, this layer's laid
         out for one-row products (txlm.model.layout). Inference only."""
-        return self.ff.forward(self.attn.decode_one(h, cache, weights), weights)
+        return self.ff.decode_one(
+            self.attn.decode_one(h, cache, weights), weights, cache.step.fused
+        )
 
 
 class TransformerXL(nn.Module):
