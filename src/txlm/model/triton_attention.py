@@ -71,6 +71,18 @@ def _scores(q, k, offs_m, offs_n, lo, hi, kok, P, p_row, L, scale, HAS_P: tl.con
 
 
 @triton.jit
+def _key_block(K, V, KOK, k_base, v_base, kok_base, offs_n, offs_d, dims, s_kl, s_vl, KLEN):
+    """Keys and values [BN, BD] at the key positions ``offs_n`` of one (batch, head), the
+    keys' validity ``kok`` [BN] (0 past KLEN), which positions exist, and the [BN, BD] mask."""
+    keys = offs_n < KLEN
+    kv_mask = keys[:, None] & dims[None, :]
+    k = tl.load(K + k_base + offs_n[:, None] * s_kl + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + v_base + offs_n[:, None] * s_vl + offs_d[None, :], mask=kv_mask, other=0.0)
+    kok = tl.load(KOK + kok_base + offs_n, mask=keys, other=0)
+    return k, v, kok, keys, kv_mask
+
+
+@triton.jit
 def _attention_fwd_kernel(
     QC, K, V, P, LO, HI, KOK, O, LSE,
     s_qb, s_qh, s_ql, s_kb, s_kh, s_kl, s_vb, s_vh, s_vl,
@@ -105,13 +117,9 @@ def _attention_fwd_kernel(
     start = (tl.min(lo, 0) // BN) * BN
     for n0 in range(start, tl.max(hi, 0) + 1, BN):
         offs_n = n0 + tl.arange(0, BN)
-        keys = offs_n < KLEN
-        kv_mask = keys[:, None] & dims[None, :]
-        k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_kl + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        kok = tl.load(KOK + b * s_kokb + offs_n, mask=keys, other=0)
+        k, v, kok, _, _ = _key_block(K, V, KOK, b * s_kb + h * s_kh, b * s_vb + h * s_vh,
+                                     b * s_kokb, offs_n, offs_d, dims, s_kl, s_vl,
+                                     KLEN)  # fmt: skip
         s, visible = _scores(q, k, offs_m, offs_n, lo, hi, kok, P, p_row, L, scale, HAS_P)
         s = tl.where(visible, s.to(ACC), float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -154,13 +162,9 @@ def _attention_bwd_kernel(
     o_base = b * s_ob + h * s_oh
     if pid < NKB:  # -- dK, dV of one key block --------------------------------------------
         offs_n = pid * BN + tl.arange(0, BN)
-        keys = offs_n < KLEN
-        kv_mask = keys[:, None] & dims[None, :]
-        k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_kl + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # fmt: skip
-        kok = tl.load(KOK + b * s_kokb + offs_n, mask=keys, other=0)
+        k, v, kok, keys, kv_mask = _key_block(K, V, KOK, b * s_kb + h * s_kh, b * s_vb + h * s_vh,
+                                              b * s_kokb, offs_n, offs_d, dims, s_kl, s_vl,
+                                              KLEN)  # fmt: skip
         qlo = tl.load(QLO + b * s_kokb + offs_n, mask=keys & (kok != 0), other=L)
         qhi = tl.load(QHI + b * s_kokb + offs_n, mask=keys & (kok != 0), other=-1)
         dk = tl.zeros([BN, BD], ACC)
@@ -203,13 +207,9 @@ def _attention_bwd_kernel(
         dq = tl.zeros([BM, BD], ACC)
         for n0 in range((tl.min(lo, 0) // BN) * BN, tl.max(hi, 0) + 1, BN):
             offs_n = n0 + tl.arange(0, BN)
-            keys = offs_n < KLEN
-            kv_mask = keys[:, None] & dims[None, :]
-            k = tl.load(K + b * s_kb + h * s_kh + offs_n[:, None] * s_kl + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            v = tl.load(V + b * s_vb + h * s_vh + offs_n[:, None] * s_vl + offs_d[None, :],
-                        mask=kv_mask, other=0.0)  # fmt: skip
-            kok = tl.load(KOK + b * s_kokb + offs_n, mask=keys, other=0)
+            k, v, kok, _, _ = _key_block(K, V, KOK, b * s_kb + h * s_kh, b * s_vb + h * s_vh,
+                                         b * s_kokb, offs_n, offs_d, dims, s_kl, s_vl,
+                                         KLEN)  # fmt: skip
             s, visible = _scores(q, k, offs_m, offs_n, lo, hi, kok, P, p_row, L, scale, HAS_P)
             p = tl.where(visible, tl.exp(s.to(ACC) - lse[:, None]), 0.0)
             dpr = tl.dot(do, tl.trans(v), input_precision="ieee").to(ACC)
