@@ -65,7 +65,7 @@ from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
-from txlm.training.precision import ComputeCopy
+from txlm.training.precision import ComputeCopy, denormals_flushed
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
 from txlm.training.state import RNG, Counters, Memory
@@ -241,7 +241,7 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimisation step, queued on the device: no value is read back to the host
         (``account`` reads the returned numbers later)."""
-        with deterministic(self.config.run.deterministic):
+        with deterministic(self.config.run.deterministic), denormals_flushed(self.device):
             return self._train_step()
 
     def _train_step(self) -> StepStats:
