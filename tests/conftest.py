@@ -16,8 +16,29 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def spread_weights(model, std: float):
+    """Every weight but the LayerNorms' drawn from N(0, std) (from the global generator), in
+    place; the model back. Far from a fresh model's near-uniform outputs, so decoding tests
+    reach every token class and sampling differences show."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    return model
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A test's compiled steps traced anew and dropped after it (dynamo keeps a bounded
+    number of graphs per function across tests)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def subprocess_env(data_dir: str | Path | None = None, **extra: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.model import TransformerXL
@@ -36,13 +37,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test's compiled steps traced anew and dropped after it (dynamo keeps a bounded
-    number of graphs per function across tests)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model() -> TransformerXL:
@@ -51,10 +46,7 @@ def _model() -> TransformerXL:
     )
     torch.manual_seed(1)
     model = TransformerXL(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.5)  # far from uniform: greedy reaches every cluster
+    spread_weights(model, 0.5)  # far from uniform: greedy reaches every cluster
     return model
 
 

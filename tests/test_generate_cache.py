@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 
+from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.generate import generate
@@ -36,10 +37,7 @@ def make_model(seed: int = 0, std: float = 0.1, **overrides) -> TransformerXL:
     cfg = ModelConfig.from_preset("debug", **{"tgt_len": 8, "mem_len": 24, **overrides})
     torch.manual_seed(seed)
     model = TransformerXL(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, std)
+    spread_weights(model, std)
     return model
 
 

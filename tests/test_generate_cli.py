@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import txlm
-from conftest import subprocess_env
+from conftest import spread_weights, subprocess_env
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
@@ -34,10 +34,7 @@ CHARS = "abcdefghijklmnopqrstuvwxyz ,.:\nROMEO"
 def _save(path: Path, vocab, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(vocab)))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
+    spread_weights(model, 0.1)
     return txlm.save(model, path, vocab_json=vocab.to_json())
 
 

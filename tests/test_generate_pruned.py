@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.head import DecodingHead
 from txlm.model import TransformerXL
@@ -116,10 +117,7 @@ def test_generation_of_an_adaptive_model_draws_through_the_pruned_head(monkeypat
     )
     torch.manual_seed(1)
     model = TransformerXL(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.3)
+    spread_weights(model, 0.3)
     calls = []
     select = DecodingHead.select
     monkeypatch.setattr(DecodingHead, "select", lambda *a, **k: calls.append(1) or select(*a, **k))

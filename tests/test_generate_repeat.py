@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder
 from txlm.generate import generate
@@ -21,23 +22,14 @@ from txlm.sampling import SamplingConfig
 PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 4, 6, 2], [11, 4], [7, 7, 1, 2, 9]]  # 11 > tgt_len 8
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test's compiled steps traced anew and dropped after it (dynamo keeps a bounded
-    number of graphs per function across tests)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _model(**overrides) -> TransformerXL:
     config = ModelConfig.from_preset("debug", **{"tgt_len": 8, "mem_len": 12, **overrides})
     torch.manual_seed(2)
     model = TransformerXL(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.25)
+    spread_weights(model, 0.25)
     return model
 
 

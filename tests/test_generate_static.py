@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder
 from txlm.model import TransformerXL
@@ -30,10 +31,7 @@ def tiny_model(**overrides) -> TransformerXL:
     )  # fmt: skip
     torch.manual_seed(0)
     model = TransformerXL(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.2)
+    spread_weights(model, 0.2)
     return model
 
 

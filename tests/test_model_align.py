@@ -111,11 +111,9 @@ def test_checkpoints_keep_the_real_shapes_and_load_either_way() -> None:
         assert torch.equal(a, b)
 
 
-def test_padding_stays_zero_through_adam_and_training_matches() -> None:
-    plain, padded = pair()
-    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
-    zero_before = {n: p == 0 for n, p in padded.named_parameters()}
+def adam_steps(plain, padded, ids, opts):
+    """Three AdamW steps of each model on ``ids``; then a copy of ``padded`` whose real
+    entries are ones and padding zeros (its checkpoint shape, loaded back): padding = 0."""
     for _ in range(3):
         for model, opt in zip((plain, padded), opts, strict=True):
             opt.zero_grad()
@@ -124,6 +122,15 @@ def test_padding_stays_zero_through_adam_and_training_matches() -> None:
     ones = {n: torch.ones_like(q) for n, q in padded.named_parameters()}
     fresh = copy.deepcopy(padded)
     fresh.load_state_dict(strip_like_state_dict(padded, ones))
+    return fresh
+
+
+def test_padding_stays_zero_through_adam_and_training_matches() -> None:
+    plain, padded = pair()
+    ids = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
+    zero_before = {n: p == 0 for n, p in padded.named_parameters()}
+    fresh = adam_steps(plain, padded, ids, opts)
     for name, p in fresh.named_parameters():
         pad = p == 0
         assert zero_before[name][pad].all()
@@ -277,14 +284,7 @@ def test_padded_widths_stay_zero_through_adam(name) -> None:
     plain, padded = width_pair(**WIDTH_CASES[name])
     ids = torch.randint(0, 100, (2, 17), generator=torch.Generator().manual_seed(3))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (plain, padded)]
-    for _ in range(3):
-        for model, opt in zip((plain, padded), opts, strict=True):
-            opt.zero_grad()
-            run(model, ids)[1].backward()
-            opt.step()
-    ones = {n: torch.ones_like(q) for n, q in padded.named_parameters()}
-    fresh = copy.deepcopy(padded)
-    fresh.load_state_dict(strip_like_state_dict(padded, ones))
+    fresh = adam_steps(plain, padded, ids, opts)
     params = dict(padded.named_parameters())
     for name, p in fresh.named_parameters():
         pad = p == 0
