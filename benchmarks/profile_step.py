@@ -14,7 +14,9 @@ adds the traced step: the decoding step compiled by inductor (as ``txlm generate
 builds it), counted as the kernels its generated code calls per token (fused C++ kernels
 and library calls such as the matrix products; a few minutes to compile on a CPU), and as
 the outermost loop nests of its fused kernels (the CPU backend puts many nests into one
-kernel function; on a GPU each is about one kernel: see ``loop_nests``). Writes
+kernel function; on a GPU each is about one kernel: see ``loop_nests``), and as the Triton
+kernels inductor partitions the same step into for a GPU (``triton_partition``: generated
+here, not run), for the scores step and for the token step with a top-k 40 draw. Writes
 runs/bench/profile_ops.json (``--out``). ``PYTHONPATH=<another checkout>/src`` counts
 that code instead (the before/after figures of a change).
 
@@ -27,11 +29,13 @@ matmuls": on a machine whose matmuls run near peak, the non-matmul share bounds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import re
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch._C import DispatchKey
@@ -118,14 +122,55 @@ class CountOps(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def compiled_code(step, ids: torch.Tensor) -> list[str]:
+def compiled_code(step, *inputs: torch.Tensor | None) -> list[str]:
     """The code inductor generates for one call of a compiled decoding step (the call
-    runs: it is a real step)."""
+    runs: it is a real step, unless inside ``triton_partition``)."""
     from torch._inductor.utils import run_and_get_code
 
     with torch.inference_mode():
-        _, codes = run_and_get_code(step, ids)
+        _, codes = run_and_get_code(step, *inputs)
     return codes
+
+
+@contextlib.contextmanager
+def triton_partition():
+    """Inductor writes Triton kernels for CPU tensors, as it does for a GPU, without
+    compiling or running them: the graph partitioned into the kernels a GPU launches (one
+    reduction and what fuses with it per kernel), counted on a machine that has none.
+
+    Inside, a compiled call runs its generated wrapper with every Triton kernel a no-op: its
+    outputs are meaningless (count, don't compare), library calls (``extern_kernels.*``)
+    still run. The kernels are generated for an sm_90 target (the triton wheel's driver
+    finds no GPU here, so one is named); nothing is compiled for it."""
+    import torch._inductor.async_compile as async_compile
+    import torch.utils._triton as torch_triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    class Target:  # what inductor asks the active driver while it writes a kernel
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+    class Unrun:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, *args, **kwargs) -> None:
+            pass
+
+    def unrun(self, name: str, source: str, *args, **kwargs) -> Unrun:
+        return Unrun(name)
+
+    with (
+        mock.patch.object(driver, "_active", Target()),
+        mock.patch.object(torch_triton, "triton_hash_with_backend", lambda: "unrun"),
+        mock.patch.object(async_compile.AsyncCompile, "triton", unrun),
+        torch._inductor.config.patch(cpu_backend="triton", fx_graph_cache=False),
+    ):
+        yield
 
 
 def kernel_counts(codes: list[str]) -> dict:
@@ -177,6 +222,26 @@ def loop_nests(codes: list[str]) -> int:
 def compiled_kernels(step, ids: torch.Tensor) -> dict:
     """Kernels one call of a compiled decoding step runs, by kind (``kernel_counts``)."""
     return kernel_counts(compiled_code(step, ids))
+
+
+def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:
+    """Kernels a GPU runs per decoded token: the compiled step (scores, ``sampling`` None,
+    or the token step with its draw) partitioned into Triton kernels (``triton_partition``),
+    by kind (``kernel_counts``)."""
+    from txlm.decode import CachedDecoder
+
+    torch._dynamo.reset()  # (the step's code object was compiled for C++ kernels before)
+    dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
+    logp = dec.prefill([prompt])
+    inputs: tuple = (logp.argmax(-1),)
+    if sampling is not None:
+        from txlm.sampling import draw_noise
+
+        inputs += (draw_noise(sampling, 1, model.config.vocab_size, None),)
+    with triton_partition():
+        codes = compiled_code(dec._stepper(*([] if sampling is None else [sampling])), *inputs)
+    torch._dynamo.reset()
+    return kernel_counts(codes)
 
 
 def count_ops(compiled: bool = False) -> dict:
@@ -241,13 +306,20 @@ def count_ops(compiled: bool = False) -> dict:
     def top(counts: dict) -> dict:
         return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
-    traced, nests = None, None
+    traced, nests, partition = None, None, None
     if compiled:
         with torch.no_grad():
             dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
             logp = dec.prefill([prompt])
-            codes = compiled_code(dec._stepper(), logp.argmax(-1))
+            ids = logp.argmax(-1)
+            codes = compiled_code(dec._stepper(), ids)
             traced, nests = kernel_counts(codes), loop_nests(codes)
+            partition = {"scores": triton_kernels(model, opts, prompt, None)}
+            if "sampling" in inspect.signature(dec._stepper).parameters:  # the draw inside
+                from txlm.sampling import SamplingConfig
+
+                top_k = SamplingConfig(top_k=40)
+                partition["top_k_40"] = triton_kernels(model, opts, prompt, top_k)
 
     return {
         "shape": "wt103-base (16 layers, d_model 410, 10 x 41 heads, vocab 32k adaptive)",
@@ -260,6 +332,10 @@ def count_ops(compiled: bool = False) -> dict:
         "decode_kernels_per_token_compiled": None if traced is None else sum(traced.values()),
         "decode_kernels_compiled": traced,
         "decode_loop_nests_per_token_compiled": nests,
+        "decode_kernels_per_token_triton": None
+        if partition is None
+        else {k: sum(v.values()) for k, v in partition.items()},
+        "decode_kernels_triton": partition,
         "train_ops": top(train_ops.counts),
         "decode_ops": top(per_token),
     }

@@ -54,10 +54,10 @@ def test_pruned_draws_equal_the_full_softmax_draws(name: str, monkeypatch) -> No
     computed = {i: 0 for i in range(1, len(CUTOFFS) + 1)}  # batches that computed cluster i
     logits = head.logits
 
-    def counted(i: int, hidden: torch.Tensor) -> torch.Tensor:
+    def counted(i: int, hidden: torch.Tensor, needed: torch.Tensor | None = None) -> torch.Tensor:
         if i > 0:
             computed[i] += 1
-        return logits(i, hidden)
+        return logits(i, hidden, needed)
 
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(3000, dim, generator=g) * 1.5
@@ -78,14 +78,16 @@ def test_pruned_draws_equal_the_full_softmax_draws(name: str, monkeypatch) -> No
         assert max(computed.values()) < len(batches) / 2
 
 
-def test_cond_branches_draw_the_same_tokens_and_compile_to_one_graph() -> None:
-    """Without a host branch each cluster is a ``torch.cond`` on a device flag: the same
-    tokens, and a compiled greedy draw traces into one graph (no break, no host read)."""
+@pytest.mark.parametrize("rows", [1, 6])
+def test_branch_free_draws_are_the_same_and_compile_to_one_graph(rows: int) -> None:
+    """Without a host branch each cluster is chosen on the device (for one row, a cluster no
+    row needs reads one column of its weight): the same tokens, and a compiled greedy draw
+    traces into one graph (no break)."""
     head, dim = _head()
     hidden = torch.randn(60, dim, generator=torch.Generator().manual_seed(3)) * 1.5
     config = SamplingConfig(top_k=4)
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
-    for h in hidden.split(6):
+    for h in hidden.split(rows):
         want = head.select(h, config, g1)
         assert torch.equal(head.select(h, config, g2, host_branch=False), want)
     greedy = SamplingConfig(greedy=True)
@@ -93,7 +95,7 @@ def test_cond_branches_draw_the_same_tokens_and_compile_to_one_graph() -> None:
     compiled = torch.compile(
         lambda h: head.select(h, greedy, host_branch=False), fullgraph=True, backend="aot_eager"
     )
-    for h in hidden.split(6):
+    for h in hidden.split(rows):
         assert torch.equal(compiled(h), sample(head.scores(h), greedy))
 
 

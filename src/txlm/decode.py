@@ -203,7 +203,7 @@ class CachedDecoder(_Reader):
     Two step functions (C36): ``step_fn``, ids -> scores (``step``, ``step_scores``), and
     ``token_fn``, ids + the draw's random numbers -> the next ids (``step_tokens``, what
     generation calls): the draw inside the compiled or captured step, through the pruned
-    adaptive softmax (txlm.head.select, a ``torch.cond`` per cluster) when compiled. The
+    adaptive softmax (txlm.head.select, branch-free: no host read) when compiled. The
     random numbers are drawn just before, outside it, from the caller's generator (one kernel),
     so a compiled step draws the tokens an eager one draws with the same generator.
 
@@ -304,9 +304,11 @@ class CachedDecoder(_Reader):
 
     def _prunes(self, sampling: SamplingConfig) -> bool:
         """Whether a step's draw goes through the pruned head (txlm.head.select): in a compiled
-        step (a ``torch.cond`` per cluster, traced into its graph) or an eager one on a CPU (a
-        host branch per cluster, free there); not in an eager step on a GPU (the branch would
-        wait for the device) or one replayed from a CUDA graph (an eager cond reads the host)."""
+        step (branch-free, chosen on the device: one graph, capturable, a skipped cluster's
+        product fused into a read of one column) or an eager one on a CPU (a host branch per
+        cluster, free there); not in an eager step on a GPU (the branch would wait for the
+        device) or one replayed from a CUDA graph (eagerly, the branch-free form would copy
+        the weight it means not to read)."""
         if not self.head.prunes(sampling):
             return False
         return bool(self.compile) or (not self.static and self.device.type == "cpu")

@@ -22,11 +22,15 @@ head_c + log p(token | c) <= head_c, so:
   then, inside the cluster drawn, the cluster's at the uniform rescaled to it: two stages,
   the tail product of the one cluster drawn only.
 Which clusters a batch needs is a device tensor. ``host_branch=True`` (eager, where reading
-it is free: a CPU) skips the others with a Python branch; otherwise each cluster is a
-``torch.cond`` on it, which a compiled step traces into its one graph; with the draw's
-random numbers given (``noise``, txlm.sampling.draw_noise) the whole selection is then a pure
-function of the hidden state and the noise. Other settings (top-p alone, a temperature
-without top-k) draw from the full distribution.
+it is free: a CPU) skips the others with a Python branch. Otherwise nothing reads it on the
+host: every cluster is computed and its result or the skipped value chosen by
+``torch.where`` on the flag, and for one row a cluster no row needs has each of its outputs
+read the weight's first column (``logits(needed=)``), so that it costs a column's bytes
+rather than the weight's. (A ``torch.cond`` would read its predicate on the host in the
+compiled code, which a CUDA graph cannot capture.) With the draw's random numbers given
+(``noise``, txlm.sampling.draw_noise) the selection is a pure function of the hidden state
+and the noise: one graph, capturable. Other settings (top-p alone, a temperature without
+top-k) draw from the full distribution.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txlm.model.adaptive import AdaptiveLogSoftmax
+from txlm.model.attention import row_product
 from txlm.model.layout import one_row_layout
 from txlm.sampling import (
     SamplingConfig,
@@ -65,21 +70,31 @@ class DecodingHead:
             proj = None if proj is None else proj.detach().to(dtype)
             self.clusters.append((proj, one_row_layout(weight, dtype), bias.detach().to(dtype)))
 
-    def logits(self, i: int, hidden: Tensor) -> Tensor:
-        """Cluster i's logits [B, n_i] (the head's: [B, shortlist + C])."""
+    def logits(self, i: int, hidden: Tensor, needed: Tensor | None = None) -> Tensor:
+        """Cluster i's logits [B, n_i] (the head's: [B, shortlist + C]). ``needed``: a 0-d
+        bool device flag; where it is False the values are discarded by the caller, and one
+        row's product then reads the weight's first column for every output (a reduction
+        with an indexed load, fused by the compiler: the bytes of a column, not of the
+        weight). Several rows take the library product (each weight is reused across rows,
+        and some row usually needs each cluster)."""
         proj, weight_t, bias = self.clusters[i]
         hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         if proj is not None:
             hidden = hidden @ proj  # [B, P] @ [P, E_i]
-        return torch.addmm(bias, hidden, weight_t)
+        if needed is None or hidden.size(0) != 1:
+            return torch.addmm(bias, hidden, weight_t)
+        cols = torch.where(needed, torch.arange(weight_t.size(1), device=weight_t.device), 0)
+        return row_product(hidden, weight_t[:, cols], bias[cols])
 
     def head_log_probs(self, hidden: Tensor) -> Tensor:
         """[B, shortlist + C]: the shortlist tokens', then each tail cluster's."""
         return F.log_softmax(upcast(self.logits(0, hidden)), dim=-1)
 
-    def tail_log_probs(self, i: int, hidden: Tensor, head: Tensor) -> Tensor:
+    def tail_log_probs(
+        self, i: int, hidden: Tensor, head: Tensor, needed: Tensor | None = None
+    ) -> Tensor:
         """[B, n_i]: log-probabilities of cluster i's tokens (i >= 1), given the head's."""
-        tail = F.log_softmax(upcast(self.logits(i, hidden)), dim=-1)
+        tail = F.log_softmax(upcast(self.logits(i, hidden, needed)), dim=-1)
         return head[:, self.shortlist + i - 1, None] + tail
 
     def log_probs(self, hidden: Tensor) -> Tensor:
@@ -143,11 +158,16 @@ class DecodingHead:
 
     def _cluster(self, need: Tensor, host_branch: bool, fn, skip, *operands: Tensor):
         """``fn(*operands)`` where some row needs the cluster (``need`` [B] bool), else
-        ``skip(*operands)`` (the same shapes), without reading ``need`` on the host unless
-        ``host_branch``."""
+        ``skip(*operands)`` (the same shapes). ``host_branch``: a Python branch on ``need``;
+        otherwise both, chosen on the device, ``fn`` given the flag (``needed=``, see
+        ``logits``)."""
         if host_branch:
             return fn(*operands) if bool(need.any()) else skip(*operands)
-        return torch.cond(need.any(), fn, skip, operands)
+        needed = need.any()
+        taken, skipped = fn(*operands, needed=needed), skip(*operands)
+        if isinstance(taken, Tensor):
+            return torch.where(needed, taken, skipped)
+        return tuple(torch.where(needed, a, b) for a, b in zip(taken, skipped, strict=True))
 
     def _select_top(self, hidden, head, sampling, noise, host_branch) -> Tensor:
         k = 1 if sampling.greedy else sampling.top_k
@@ -159,9 +179,9 @@ class DecodingHead:
             lo, hi = self.bounds[i]
             kc = min(k, hi - lo)
 
-            def top(h: Tensor, hd: Tensor, i: int = i, kc: int = kc) -> tuple[Tensor, Tensor]:
-                vals, ids = self.tail_log_probs(i, h, hd).topk(kc, dim=-1)
-                return vals, ids  # a plain tuple: both branches of a cond return the same
+            def top(h: Tensor, hd: Tensor, i: int = i, kc: int = kc, needed=None):
+                vals, ids = self.tail_log_probs(i, h, hd, needed).topk(kc, dim=-1)
+                return vals, ids  # a plain tuple, as ``none``'s
 
             def none(h: Tensor, hd: Tensor, kc: int = kc) -> tuple[Tensor, Tensor]:
                 rows = hd.size(0)
@@ -192,8 +212,8 @@ class DecodingHead:
             # the uniform rescaled into the cluster's share of the head's CDF
             inner = (u[:, 0] - (cdf[:, col] - probs[:, col])) / probs[:, col]
 
-            def within(h: Tensor, hd: Tensor, inner: Tensor, i: int = i) -> Tensor:
-                tail = F.softmax(upcast(self.logits(i, h)), dim=-1)  # p(token | cluster)
+            def within(h: Tensor, hd: Tensor, inner: Tensor, i: int = i, needed=None) -> Tensor:
+                tail = F.softmax(upcast(self.logits(i, h, needed)), dim=-1)  # p(token | cluster)
                 return cdf_index(tail.cumsum(dim=-1), inner[:, None])
 
             def none(h: Tensor, hd: Tensor, inner: Tensor) -> Tensor:
