@@ -148,3 +148,23 @@ def test_scores_step_and_token_step_share_the_cache() -> None:
         a, b = eager.step_tokens(a, sampling, g1), compiled.step_tokens(b, sampling, g2)
         assert torch.equal(a, b)
 
+
+def test_more_sampling_settings_than_dynamos_limit_compile_in_one_process() -> None:
+    """Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and a
+    ``fullgraph`` step fails past them: ten sampling settings, each its own decoder, all
+    compile (each setting's step has a code object of its own), and three decoders of one
+    setting share one graph."""
+    model = _model()
+    counters = torch._dynamo.utils.counters
+    limit = torch._dynamo.config.recompile_limit
+    counters.clear()
+    for k in range(1, limit + 3):
+        sampling = SamplingConfig(top_k=k)
+        decoder = CachedDecoder(model, compile="aot_eager")
+        got = _tokens(decoder, sampling, steps=3, prompts=PROMPTS[:2])
+        assert torch.equal(got, _tokens(CachedDecoder(model), sampling, 3, PROMPTS[:2]))
+    assert counters["stats"]["unique_graphs"] == limit + 2
+    counters.clear()
+    for _ in range(3):
+        _tokens(CachedDecoder(model, compile="aot_eager"), SamplingConfig(top_k=2), 3, PROMPTS)
+    assert counters["stats"]["unique_graphs"] == 1

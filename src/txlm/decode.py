@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -384,6 +385,7 @@ class CachedDecoder(_Reader):
             fn = self._autocast_off(fn)
             if self.compile:  # True: inductor; a string (or a callable) names another backend
                 backend = "inductor" if self.compile is True else self.compile
+                fn = step_code(fn, sampling)
                 fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
             if self.cuda_graph:
                 fn = GraphedStep(fn)
@@ -402,6 +404,25 @@ class CachedDecoder(_Reader):
                 return fn(*inputs)
 
         return run
+
+
+# one code object per sampling setting (None: the scores step), see ``step_code``
+_STEP_CODE: dict[SamplingConfig | None, types.CodeType] = {}
+
+
+def step_code(fn: Callable[..., Tensor], sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+    """``fn`` behind a function whose code object is the one for ``sampling``. Dynamo keeps
+    the graphs it compiles per code object, at most ``recompile_limit`` (8), and a step with
+    ``fullgraph=True`` fails past them. Every step would otherwise share one code object
+    (``_autocast_off``'s), so the ninth sampling setting compiled in a process would fail;
+    with one per setting, decoders of the same setting still reuse each other's graphs (the
+    guards pass for the same model and shapes) and each setting has its own eight."""
+
+    def run(*inputs: Tensor | None) -> Tensor:
+        return fn(*inputs)
+
+    code = _STEP_CODE.setdefault(sampling, run.__code__.replace())  # equal, distinct
+    return types.FunctionType(code, run.__globals__, run.__name__, None, run.__closure__)
 
 
 class GraphedStep:
