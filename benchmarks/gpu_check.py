@@ -26,7 +26,9 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
    decoding compiled (``txlm generate --compile``); decoding batches of 1, 8 and 64 rows
    (memory 512, bf16, compiled and captured, and eager captured): tokens/s over all rows;
    the same batches with the draw inside the compiled, captured step (greedy and top-k 40,
-   through the pruned adaptive softmax: ``step_tokens``);
+   through the pruned adaptive softmax: ``step_tokens``); the kernels and library calls of
+   each compiled step's generated code (``decode_kernels_per_token_compiled``, the count
+   the budget of 100 per token is about);
 8. the attention candidates (SDPA with the position term as a bias, txlm's math, or on CUDA
    txlm's Triton kernel; heads as they are or padded to a multiple of 8), and training in
    fp32 (TF32 off) and tf32.
@@ -64,6 +66,7 @@ from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 import txlm
+from inductor_code import generated_code, kernel_counts
 from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
@@ -440,13 +443,15 @@ def generate(
     compile: bool = False,
     padded: bool | None = None,
     batch: int = 1,
+    code: list[str] | None = None,
 ) -> tuple[float, Tensor]:
     """Greedy decoding speed (tokens/s over all ``batch`` rows, each its own prompt), and
     row 0's log-probs [new, V] of the steps from the first (to compare precisions and
     devices on the same prompt). ``graph``: the step replayed from a CUDA graph
     (CachedDecoder's default on CUDA), else launched op by op; ``compile``: the step under
     torch.compile (on CUDA, then captured in a graph too). Timed after 3 warm-up steps (a
-    graph is captured, a compiled step built and recorded)."""
+    graph is captured, a compiled step built and recorded). ``code``: gets what inductor
+    generates for the step (``first_call``)."""
     model = build(config, device, padded=padded, exact=True).eval()
     lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
@@ -457,9 +462,9 @@ def generate(
         captured = (graph or compile) and device.type == "cuda"  # as txlm generate does
         dec = CachedDecoder(model, lengths=lengths, cuda_graph=captured, compile=backend)
         logp = dec.prefill(prompts)
-        for _ in range(3):
+        for i in range(3):
             rows.append(logp[0].float().cpu())
-            logp = dec.step(logp.argmax(-1))
+            logp = first_call(dec.step, logp.argmax(-1), into=code if i == 0 else None)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(new):
@@ -478,11 +483,13 @@ def draw_tokens(
     context: int = 512,
     *,
     batch: int = 1,
+    code: list[str] | None = None,
 ) -> float:
     """Decoding speed with the draw inside the step (``CachedDecoder.step_tokens``, what
     ``txlm generate`` runs): bf16, compiled and captured on CUDA, through the pruned adaptive
     softmax when ``sampling`` lets it skip clusters (greedy, top-k within the shortlist).
-    Tokens/s over all ``batch`` rows, timed after 3 warm-up steps."""
+    Tokens/s over all ``batch`` rows, timed after 3 warm-up steps. ``code``: gets what
+    inductor generates for the step (``first_call``)."""
     model = build(config, device).eval()
     lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
     g = torch.Generator().manual_seed(3)
@@ -492,7 +499,8 @@ def draw_tokens(
     with torch.no_grad(), precision(device, "bf16"):
         dec = CachedDecoder(model, lengths=lengths, compile=backend)
         tokens = dec.prefill_tokens(prompts, sampling, draws)
-        for _ in range(3):
+        tokens = first_call(dec.step_tokens, tokens, sampling, draws, into=code)
+        for _ in range(2):
             tokens = dec.step_tokens(tokens, sampling, draws)
         sync(device)
         t0 = time.perf_counter()
@@ -500,6 +508,20 @@ def draw_tokens(
             tokens = dec.step_tokens(tokens, sampling, draws)
         sync(device)
     return round(batch * new / (time.perf_counter() - t0), 1)
+
+
+def first_call(fn: Callable[..., Tensor], *args, into: list[str] | None) -> Tensor:
+    """``fn(*args)``; with ``into``, the code inductor generates during the call (a compiled
+    step's first) is appended to it: on CUDA the Triton kernels and library calls a decoded
+    token launches, to count beside the CPU's count of the same step partitioned for a GPU
+    (``profile_step.py --ops --compiled``). A CUDA graph's first call runs the step without
+    capturing, so the capture is untouched."""
+    if into is None:
+        return fn(*args)
+    with generated_code() as codes:
+        out = fn(*args)
+    into.extend(codes)
+    return out
 
 
 # kernel (CUDA) or operator (CPU) name fragments per class, matched in this order
@@ -818,9 +840,17 @@ def main(argv: list[str] | None = None) -> int:
     backend = "inductor" if cuda else "eager"
     run.section(f"{first} train bf16 compiled", add_train(first, "bf16", compiled=backend))
 
+    # the kernels of the compiled steps (inductor on CUDA; none from dynamo alone on a CPU)
+    step_kernels = r.setdefault("decode_kernels_per_token_compiled", {})
+
     def decode_compiled() -> None:
         for p in ("fp32", "bf16"):
-            rates[p + "_compiled"] = generate(config0, device, p, new, context, compile=True)[0]
+            code: list[str] = []
+            rates[p + "_compiled"] = generate(
+                config0, device, p, new, context, compile=True, code=code
+            )[0]
+            if code:
+                step_kernels[p] = kernel_counts(code)
 
     run.section("decode compiled", decode_compiled)
 
@@ -843,10 +873,13 @@ def main(argv: list[str] | None = None) -> int:
         by_batch = r.setdefault("generate_draw_tokens_per_s", {})
         for name, sampling in (("greedy", SamplingConfig(greedy=True)),
                                ("top_k40", SamplingConfig(top_k=40))):  # fmt: skip
-            by_batch[name] = {
-                str(b): draw_tokens(config0, device, sampling, new, context, batch=b)
-                for b in ((1, 2) if args.quick else (1, 8, 64))
-            }
+            by_batch[name] = {}
+            for b in (1, 2) if args.quick else (1, 8, 64):
+                code: list[str] = []
+                rate = draw_tokens(config0, device, sampling, new, context, batch=b, code=code)
+                by_batch[name][str(b)] = rate
+                if code and b == 1:
+                    step_kernels["bf16_draw_" + name] = kernel_counts(code)
 
     run.section("decode draw", decode_pruned)
     run.section("txlm_generate_cli", lambda: generate_cli(device, 64 if args.quick else 1000,

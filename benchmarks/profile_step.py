@@ -29,13 +29,10 @@ matmuls": on a machine whose matmuls run near peak, the non-matmul share bounds 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
 import json
-import re
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch._C import DispatchKey
@@ -44,6 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from compare import SHAPES, build_pair, make_eval, make_train
+from inductor_code import compiled_code, kernel_counts, loop_nests, triton_partition
 
 # a scratch folder by default; --out benchmarks/results/... updates the committed file
 SCRATCH = Path("runs") / "bench"
@@ -120,108 +118,6 @@ class CountOps(TorchDispatchMode):
         if name not in _METADATA_OPS:
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **kwargs)
-
-
-def compiled_code(step, *inputs: torch.Tensor | None) -> list[str]:
-    """The code inductor generates for one call of a compiled decoding step (the call
-    runs: it is a real step, unless inside ``triton_partition``)."""
-    from torch._inductor.utils import run_and_get_code
-
-    with torch.inference_mode():
-        _, codes = run_and_get_code(step, *inputs)
-    return codes
-
-
-@contextlib.contextmanager
-def triton_partition():
-    """Inductor writes Triton kernels for CPU tensors, as it does for a GPU, without
-    compiling or running them: the graph partitioned into the kernels a GPU launches (one
-    reduction and what fuses with it per kernel), counted on a machine that has none.
-
-    Inside, a compiled call runs its generated wrapper with every Triton kernel a no-op: its
-    outputs are meaningless (count, don't compare), library calls (``extern_kernels.*``)
-    still run. The kernels are generated for an sm_90 target (the triton wheel's driver
-    finds no GPU here, so one is named); nothing is compiled for it."""
-    import torch._inductor.async_compile as async_compile
-    import torch.utils._triton as torch_triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
-    class Target:  # what inductor asks the active driver while it writes a kernel
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-    class Unrun:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def run(self, *args, **kwargs) -> None:
-            pass
-
-    def unrun(self, name: str, source: str, *args, **kwargs) -> Unrun:
-        return Unrun(name)
-
-    with (
-        mock.patch.object(driver, "_active", Target()),
-        mock.patch.object(torch_triton, "triton_hash_with_backend", lambda: "unrun"),
-        mock.patch.object(async_compile.AsyncCompile, "triton", unrun),
-        torch._inductor.config.patch(cpu_backend="triton", fx_graph_cache=False),
-    ):
-        yield
-
-
-def kernel_counts(codes: list[str]) -> dict:
-    """Kernels one call runs: the calls in the ``call`` function of inductor's generated
-    code, by kind (``cpp_fused_*`` kernels, ``extern_kernels.*`` library calls, other aten
-    calls)."""
-    counts: dict[str, int] = {}
-    for code in codes:
-        body = code[code.index("def call(") :]
-        for line in body.splitlines():
-            callee = line.strip().split(" = ")[-1]
-            m = re.match(
-                r"(cpp_fused|triton_\w+|extern_kernels\.\w+|aten\.\w+|torch\.ops\.\w+)", callee
-            )
-            if m and "(" in callee:
-                kind = (
-                    "fused"
-                    if m.group(1) in ("cpp_fused",) or m.group(1).startswith("triton")
-                    else m.group(1)
-                )
-                counts[kind] = counts.get(kind, 0) + 1
-    return counts
-
-
-def loop_nests(codes: list[str]) -> int:
-    """Outermost loops of the generated C++ kernels, summed. The CPU backend puts any
-    number of loop nests into one kernel function (even a whole layer's), where a GPU
-    kernel holds one fused loop nest: so the nests are the closer proxy of the kernels the
-    same step compiles to on a GPU, together with the library calls (``kernel_counts``)."""
-    total = 0
-    for code in codes:
-        for source in re.findall(r"cpp_pybinding\(\[.*?\], r'''(.*?)'''\)", code, re.S):
-            braces: list[bool] = []  # per open brace: whether a loop opened it
-            opens_loop = False
-            for line in source.splitlines():
-                text = line.strip()
-                if text.startswith("for("):
-                    total += not any(braces)
-                    opens_loop = True
-                for ch in text:
-                    if ch == "{":
-                        braces.append(opens_loop)
-                        opens_loop = False
-                    elif ch == "}":
-                        braces.pop()
-    return total
-
-
-def compiled_kernels(step, ids: torch.Tensor) -> dict:
-    """Kernels one call of a compiled decoding step runs, by kind (``kernel_counts``)."""
-    return kernel_counts(compiled_code(step, ids))
 
 
 def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:

@@ -73,6 +73,24 @@ def test_compare_quick_run_writes_ratios(tmp_path):
     assert "speedup_kv" in rows["eval_m128"]
 
 
+def test_first_call_hands_over_the_code_inductor_generates(fresh_dynamo):
+    """gpu_check counts a compiled decoding step's kernels from the code its first call
+    generates (on CUDA: the Triton kernels and library calls a token launches)."""
+    from inductor_code import kernel_counts
+
+    fn = torch.compile(lambda x, w: torch.relu(x @ w).sum(-1), fullgraph=True)
+    x, w = torch.randn(4, 8), torch.randn(8, 16)
+    code: list[str] = []
+    out = gpu_check.first_call(fn, x, w, into=code)
+    torch.testing.assert_close(out, torch.relu(x @ w).sum(-1))
+    kinds = kernel_counts(code)
+    assert kinds.get("fused", 0) >= 1 and sum(kinds.values()) >= 2, kinds  # + the product
+    assert gpu_check.first_call(fn, x, w, into=None) is not None  # compiled: no new code
+    again: list[str] = []
+    gpu_check.first_call(fn, x, w, into=again)
+    assert again == []
+
+
 def test_gpu_check_script_runs_on_the_cpu(tmp_path):
     """The prepared device script (benchmarks/gpu_check.py) runs every section end to end on
     a tiny shape, so a session that is lent a GPU can run it as it is."""

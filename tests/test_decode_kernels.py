@@ -35,7 +35,7 @@ from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_step import compiled_code, kernel_counts, loop_nests, triton_partition
+from inductor_code import compiled_code, kernel_counts, loop_nests, triton_partition
 
 LAYERS = 2
 PER_LAYER, FIXED = 5, 6  # the CPU's C++ kernels (see the docstring)

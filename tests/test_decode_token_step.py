@@ -28,7 +28,7 @@ from txlm.model import TransformerXL
 from txlm.sampling import SamplingConfig, draw_noise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from profile_step import compiled_code, kernel_counts, triton_partition
+from inductor_code import compiled_code, kernel_counts, triton_partition
 
 CUTOFFS = [8, 24, 40]  # a shortlist of 8, tail clusters of 16, 16 and 24 tokens
 _g = torch.Generator().manual_seed(0)  # 8 prompts of 1 to 11 tokens: left padding
