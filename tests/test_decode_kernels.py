@@ -13,7 +13,7 @@ Two counts. On the CPU, inductor's C++ backend puts many loop nests into one ker
 function, so its count flatters: at most 5 kernels per layer plus 6 (16 x 5 + 6 = 86 at
 wt103-base), and its loop nests at most 12 per layer plus 10. What a GPU launches is the
 graph partitioned into Triton kernels, each one reduction and what fuses with it; inductor
-writes those here too, without running them (``profile_step.triton_partition``). A layer is
+writes those here too, without running them (``inductor_code.triton_partition``). A layer is
 then 10 kernels: the qkv product, the cache write, the scores (content and position terms in
 one reduction over Dh), the softmax statistics, the weighted sum of values, the output
 product, residual + LayerNorm, the first feed-forward product, the second with its ReLU, and

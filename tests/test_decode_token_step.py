@@ -111,7 +111,7 @@ def test_one_row_token_step_draws_the_same_tokens(name: str) -> None:
 @pytest.mark.parametrize("rows", [1, 8])
 def test_the_compiled_token_step_reads_nothing_back(rows: int) -> None:
     """The code inductor generates for the token step, for one row and for eight, as a GPU
-    would run it (Triton kernels: ``profile_step.triton_partition``): no value read back to
+    would run it (Triton kernels: ``inductor_code.triton_partition``): no value read back to
     the host (a ``.item()``, as a ``torch.cond``'s predicate is read, would make the step
     impossible to capture in a CUDA graph); for one row the tail clusters' products are
     fused kernels, not library products over the whole weight."""
