@@ -101,3 +101,28 @@ def test_both_ranks_stop_at_the_same_step_when_rank_0_runs_out_of_time(tmp_path)
     assert json.loads((out / "results.json").read_text())["step"] == 2
     assert json.loads((out / "last" / "trainer_state.json").read_text())["step"] == 2
     assert [m["step"] for m in metrics(out)] == [1, 2]
+
+
+@pytest.mark.parametrize("has_new_name", [True, False])
+def test_buffers_are_not_broadcast_under_either_name(monkeypatch, has_new_name):
+    """DDP is told not to broadcast buffers by the argument the installed torch has:
+    ``forward_sync_buffers`` (2.13) or ``broadcast_buffers`` (before: torch 2.11, as on the
+    device machines, has no other). Checked against stand-ins of both signatures."""
+    import torch.nn.parallel
+
+    from txlm import distributed
+
+    seen: dict = {}
+
+    class New:
+        def __init__(self, module, device_ids=None, forward_sync_buffers=True):
+            seen.update(forward_sync_buffers=forward_sync_buffers, device_ids=device_ids)
+
+    class Old:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True):
+            seen.update(broadcast_buffers=broadcast_buffers, device_ids=device_ids)
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", New if has_new_name else Old)
+    distributed.data_parallel(torch.nn.Linear(2, 2), torch.device("cpu"))
+    name = "forward_sync_buffers" if has_new_name else "broadcast_buffers"
+    assert seen == {name: False, "device_ids": None}

@@ -13,6 +13,7 @@ step sends nothing through the host.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -58,15 +59,17 @@ def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Mod
     """``module`` under DDP: gradients averaged over ranks in backward.
 
     The model has no buffers to keep in step (every tensor is a parameter), so none are
-    broadcast before each forward: ``forward_sync_buffers=False``, the argument that
-    replaces the deprecated ``broadcast_buffers`` (torch 2.13).
+    broadcast before each forward: ``forward_sync_buffers=False`` where DDP takes it (torch
+    2.13 deprecates ``broadcast_buffers`` for it), ``broadcast_buffers=False`` in the
+    releases before (torch 2.11 on the device machines has only that one).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    new = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
     return DDP(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,
+        **{"forward_sync_buffers" if new else "broadcast_buffers": False},
     )
 
 
