@@ -22,28 +22,24 @@ import torch
 
 
 def compiled_code(step, *inputs: torch.Tensor | None) -> list[str]:
-    """The code inductor generates for one call of a compiled decoding step (the call
-    runs: it is a real step, unless inside ``triton_partition``)."""
-    from torch._inductor.utils import run_and_get_code
-
-    with torch.inference_mode():
-        _, codes = run_and_get_code(step, *inputs)
+    """The code inductor generates for one call of a compiled decoding step, compiled anew
+    (dynamo reset first; the call runs: it is a real step, unless inside
+    ``triton_partition``)."""
+    torch._dynamo.reset()
+    with torch.inference_mode(), generated_code() as codes:
+        step(*inputs)
     return codes
 
 
 @contextlib.contextmanager
 def generated_code() -> Iterator[list[str]]:
-    """The modules inductor generates while inside, appended to the list it yields as they
-    are made. Unlike ``run_and_get_code`` it keeps what dynamo compiled before; its cache of
-    compiled graphs is off inside, so a graph compiled in an earlier process is generated
-    again rather than loaded without its code."""
+    """The modules inductor generates while inside (a graph loaded from its cache reports
+    its code too), appended to the list it yields as they are made. Unlike
+    ``run_and_get_code`` it keeps what dynamo compiled before."""
     from torch._inductor.graph import GraphLowering
 
     codes: list[str] = []
-    with (
-        mock.patch.object(GraphLowering, "save_output_code", codes.append),
-        torch._inductor.config.patch(fx_graph_cache=False),
-    ):
+    with mock.patch.object(GraphLowering, "save_output_code", codes.append):
         yield codes
 
 
@@ -56,7 +52,8 @@ def triton_partition():
     Inside, a compiled call runs its generated wrapper with every Triton kernel a no-op: its
     outputs are meaningless (count, don't compare), library calls (``extern_kernels.*``)
     still run. The kernels are generated for an sm_90 target (the triton wheel's driver
-    finds no GPU here, so one is named); nothing is compiled for it."""
+    finds no GPU here, so one is named); nothing is compiled for it. What was compiled
+    inside is dropped on the way out (dynamo reset), so no later call runs no-op kernels."""
     import torch._inductor.async_compile as async_compile
     import torch.utils._triton as torch_triton
     from triton.backends.compiler import GPUTarget
@@ -85,7 +82,10 @@ def triton_partition():
         mock.patch.object(async_compile.AsyncCompile, "triton", unrun),
         torch._inductor.config.patch(cpu_backend="triton", fx_graph_cache=False),
     ):
-        yield
+        try:
+            yield
+        finally:
+            torch._dynamo.reset()
 
 
 def kernel_counts(codes: list[str]) -> dict:

@@ -126,7 +126,6 @@ def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:
     by kind (``kernel_counts``)."""
     from txlm.decode import CachedDecoder
 
-    torch._dynamo.reset()  # (the step's code object was compiled for C++ kernels before)
     dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
     logp = dec.prefill([prompt])
     inputs: tuple = (logp.argmax(-1),)
@@ -136,7 +135,6 @@ def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:
         inputs += (draw_noise(sampling, 1, model.config.vocab_size, None),)
     with triton_partition():
         codes = compiled_code(dec._stepper(*([] if sampling is None else [sampling])), *inputs)
-    torch._dynamo.reset()
     return kernel_counts(codes)
 
 
