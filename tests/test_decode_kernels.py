@@ -1,9 +1,9 @@
 """C35: the compiled decoding step runs few kernels per token, and gives eager's outputs.
 
 A decoded token is bound by how many kernels it launches, not by the bytes it reads
-(ARCHITECTURE.md, C35). The one-query step (``RelativeAttention.decode_one`` and the
-feed-forward on ``StepWeights``) is written so that, traced by torch.compile for one row,
-each matrix-vector product is a reduction the compiler fuses with what surrounds it (the
+(ARCHITECTURE.md, C35). The layers' one forward, traced by torch.compile for one row and
+one query over the cache (``CacheStep.fused``), writes each matrix-vector product as a
+reduction (``attention.matmul``) the compiler fuses with what surrounds it (the
 cache write, the position gather, mask, softmax, the weighted sum of values, biases, ReLU,
 residuals and LayerNorms), and the cache write is an in-place scatter (no copy of a layer's
 keys and values). Counted here on inductor's CPU code, as ``benchmarks/profile_step.py

@@ -125,30 +125,30 @@ def test_eager_and_static_steps_agree(name: str) -> None:
     torch.testing.assert_close(rows["eager"], rows["static"], atol=ATOL, rtol=0)
 
 
-def test_one_query_steps_run_the_layers_one_query_form(monkeypatch) -> None:
-    """Every decoding step (eager or static) goes through ``RelativeAttention.decode_one``,
-    once per layer; the prompt's segments through ``forward``."""
+def test_every_query_length_runs_the_one_attention_forward(monkeypatch) -> None:
+    """The prompt's segments and every decoding step (eager or static) go through
+    ``RelativeAttention.forward``, once per layer and call: there is no other attention."""
     from txlm.model.attention import RelativeAttention
 
     model = make_model()
-    calls = {"decode_one": 0, "forward": 0}
-    for name in calls:
-        real = getattr(RelativeAttention, name)
+    qlens: list[int] = []
+    real = RelativeAttention.forward
 
-        def counted(self, *args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(self, *args, **kwargs)
+    def counted(self, h, *args, **kwargs):
+        qlens.append(h.size(1))
+        return real(self, h, *args, **kwargs)
 
-        monkeypatch.setattr(RelativeAttention, name, counted)
+    monkeypatch.setattr(RelativeAttention, "forward", counted)
+    n_layer = model.config.n_layer
     for static in (False, True):
         dec = CachedDecoder(model)
         dec.static = static
         dec.prefill([list(range(1, 14))])  # 13 tokens: segments of 5 and 8
-        assert calls == {"decode_one": 0, "forward": 2 * model.config.n_layer}
+        assert qlens == [5] * n_layer + [8] * n_layer
         for t in range(30):
             dec.step(torch.tensor([t]))
-        assert calls["decode_one"] == 30 * model.config.n_layer
-        calls.update(decode_one=0, forward=0)
+        assert qlens[2 * n_layer :] == [1] * (30 * n_layer)
+        qlens.clear()
 
 
 @pytest.mark.parametrize("name", ["default", "same_length", "pre_lnorm", "adaptive"])

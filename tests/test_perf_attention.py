@@ -66,7 +66,7 @@ def test_fused_scores_equal_reference(float64, per_row, with_position):
         mask[1, :, :, :mlen] = False  # a reset row: no memory
     inputs = [q, k, u] + ([rk, v] if with_position else [])
 
-    bias, fresh = attn._bias(q, rk, mask, v, None)
+    bias, fresh = attn._bias(q, rk, mask, v.unsqueeze(1), None)  # v as [H, 1, Dh]
     got = attn._scores(q + u[:, None, :], k, bias, fresh)
     want = reference_scores(attn, q, k, rk, mask, u, v)
     assert got.shape == (b, h, qlen, klen)

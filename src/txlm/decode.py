@@ -14,8 +14,8 @@ Why a cache. Transformer-XL's memory stores each layer's *input* hidden states; 
 re-projects all M of them to keys and values, O(M D^2) per layer and token. The projections
 never change once made (inference: no dropout, fixed weights), so ``CachedDecoder`` keeps them
 in the model's ``KVCache`` (txlm.model.cache) and runs the model's own ``transform`` over it:
-a step projects one token and attends over the cached slots (the layers' one-query form,
-``DecoderLayer``), and the context segments fill the same cache, so no memory state is ever
+a step projects one token and attends over the cached slots (the layers' one forward, which
+takes every query length), and the context segments fill the same cache, so no memory state is ever
 projected twice. ``UncachedDecoder`` is the reference: the model's forward with the hidden-
 state memory, re-projected every step.
 
@@ -189,10 +189,10 @@ class CachedDecoder(_Reader):
     """Incremental decoder over a ``KVCache``, eager or compiled/graphed.
 
     ``prefill(prompts)`` reads the prompts in segments of up to tgt_len through a cache of
-    mem_len + tgt_len slots (the modules' segment form); then the cache is narrowed to
-    mem_len + 1 slots and every new token is a one-token step over it (``step_fn``: the
-    layers' one-query form on weights laid out once for one-row products, see
-    txlm.model.layout, and the output layer's ``DecodingHead``).
+    mem_len + tgt_len slots; then the cache is narrowed to mem_len + 1 slots and every new
+    token is a one-token step over it (``step_fn``: the same layers' forward on weights laid
+    out once for one-row products, see txlm.model.layout, and the output layer's
+    ``DecodingHead``).
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
@@ -212,7 +212,7 @@ class CachedDecoder(_Reader):
     model's device as the decoder is made (and the weights are float32), else the weights'.
     A half-precision decoder holds its own copies of the layers' projections and the output
     layer in that dtype (made once; the model is not copied or changed); on a CPU its cache
-    and the one-query attention stay float32 (half-precision matrix-vector products are
+    and the attention over it stay float32 (half-precision matrix-vector products are
     slower there). The model runs in eval mode during each call and returns to its mode.
     """
 

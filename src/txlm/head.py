@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from txlm.model.adaptive import AdaptiveLogSoftmax
-from txlm.model.attention import row_product
+from txlm.model.attention import matmul
 from txlm.model.layout import one_row_layout
 from txlm.sampling import (
     SamplingConfig,
@@ -84,7 +84,7 @@ class DecodingHead:
         if needed is None or hidden.size(0) != 1:
             return torch.addmm(bias, hidden, weight_t)
         cols = torch.where(needed, torch.arange(weight_t.size(1), device=weight_t.device), 0)
-        return row_product(hidden, weight_t[:, cols], bias[cols])
+        return matmul(hidden, weight_t[:, cols], True) + bias[cols]
 
     def head_log_probs(self, hidden: Tensor) -> Tensor:
         """[B, shortlist + C]: the shortlist tokens', then each tail cluster's."""

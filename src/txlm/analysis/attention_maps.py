@@ -24,12 +24,12 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.evaluate import stream_segments
 from txlm.model import TransformerXL
-from txlm.model.attention import RelativeAttention, rel_shift
+from txlm.model.attention import rel_shift
 from txlm.model.lengths import Lengths
 
 
@@ -104,7 +104,7 @@ class AttentionMaps:
 class _TermCapture:
     """Forward pre-hooks that recompute terms (a), (b), (d) of each layer's scores.
 
-    The hook sees the attention module's inputs (h, mem, mask, pos, u, v), projects q, k and
+    The hook sees the layer's inputs, its attention's (h, mem, mask, pos, u, v), projects q, k and
     the position keys with the module's own weights, and keeps per-distance sums.
     """
 
@@ -113,15 +113,14 @@ class _TermCapture:
         self.sums: dict[str, list[Tensor | None]] = {
             t: [None] * model.config.n_layer for t in "abd"
         }
-        self.handles = [
-            layer.attn.register_forward_pre_hook(self._hook(n))
-            for n, layer in enumerate(model.layers)
+        self.handles = [  # on the layer: it calls its attention's forward directly
+            layer.register_forward_pre_hook(self._hook(n)) for n, layer in enumerate(model.layers)
         ]
 
     def _hook(self, n: int):
-        def hook(attn: RelativeAttention, args):
+        def hook(layer: nn.Module, args):
             h, mem, mask, pos, u, v = args[:6]
-            self._add(n, attn, h, mem, mask, pos, u, v)
+            self._add(n, layer.attn, h, mem, mask, pos, u, v)
 
         return hook
 

@@ -18,15 +18,19 @@ strided view, no padding and no copy.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
-from txlm.model.cache import LayerCache
+from txlm.model.cache import CacheStep
 from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
+
+_NO_EXTRAS: Mapping[str, Tensor] = MappingProxyType({})  # what a forward returns by default
 
 
 def rel_shift(x: Tensor, klen: int | None = None) -> Tensor:
@@ -58,16 +62,19 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def layer_norm(norm: nn.LayerNorm, x: Tensor) -> Tensor:
+def layer_norm(norm: nn.LayerNorm | tuple[Tensor, Tensor, float], x: Tensor) -> Tensor:
     """``norm(x)`` without the module call: the same operation, and one fewer Python layer
-    on a path that makes a few per layer and token. A residual stream stored wider than the
-    model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros after."""
+    on a path that makes a few per layer and token. ``norm``: the module, or its (weight,
+    bias, eps) as a decoder holds them (txlm.model.layout). A residual stream stored wider
+    than the model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros
+    after."""
+    weight, bias, eps = norm if isinstance(norm, tuple) else (norm.weight, norm.bias, norm.eps)
     if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
         # half-precision activations stay half (autocast would return float32); the kernel
         # keeps its statistics in float32 and reads the float32 weights as they are
         with torch.autocast(x.device.type, enabled=False):
-            return _norm(x, norm.weight, norm.bias, norm.eps)
-    return _norm(x, norm.weight, norm.bias, norm.eps)
+            return _norm(x, weight, bias, eps)
+    return _norm(x, weight, bias, eps)
 
 
 def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
@@ -79,17 +86,19 @@ def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
 
 
-def row_product(x: Tensor, w_t: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [1, in] @ w_t [in, out] (+ bias [out]) written as a reduction over ``in``: a
-    decoding step's product when it is traced for one row (``CacheStep.fused``).
+def matmul(a: Tensor, b: Tensor, rows: bool = False) -> Tensor:
+    """``a @ b`` (a [..., N, K], b [..., K, M], broadcast as matmul does). ``rows``: the
+    product written as a broadcast multiply and a sum over K, the form a decoding step takes
+    when it is traced for one row (``CacheStep.fused``).
 
     The compiler then fuses each product with the operations around it into one generated
     kernel (a library matrix product is a kernel of its own, with another for what follows
-    it); for one row a product only streams its weight, so a fused reduction reads the same
+    it); for one row a product only streams its operand, so a fused reduction reads the same
     bytes. Eagerly, and for several rows (where a library product reuses each weight across
-    rows), the step calls ``mm`` / ``addmm`` itself, with no wrapper call in between."""
-    out = (x.view(-1, 1) * w_t).sum(0, keepdim=True)
-    return out if bias is None else out + bias
+    rows), it is the library product."""
+    if rows:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+    return a @ b
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -118,8 +127,9 @@ def _key_padding(klen: int, multiple: int) -> tuple[int, int]:
 class RelativeAttention(nn.Module):
     """One layer's attention, for every encoding of the paper's Table 6 (see config.AttnType)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer  # its index in the model: which of a cache's layers it reads
         # d_head: the head dim as stored (txlm.model.align may pad it); the scale is the real one
         self.n_head, self.d_head = config.n_head, config.d_head
         self.attn_type = config.attn_type
@@ -152,7 +162,7 @@ class RelativeAttention(nn.Module):
     # -- pieces -------------------------------------------------------------------------
     def _heads(self, x: Tensor) -> Tensor:
         """[B, T, H*Dh] -> [B, H, T, Dh]."""
-        return x.unflatten(-1, (self.n_head, self.d_head)).transpose(1, 2)
+        return x.view(*x.shape[:-1], self.n_head, self.d_head).transpose(1, 2)
 
     def _split_qkv(self) -> tuple[Tensor, Tensor]:
         """Query rows [I, D] and key/value rows [2I, D] of the fused weight, as views.
@@ -194,25 +204,32 @@ class RelativeAttention(nn.Module):
         qp = q if v is None else q + v[:, None, :]
         return content, rel_shift(qp @ rk.transpose(-1, -2))
 
-    def _scores(self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool) -> Tensor:
+    def _scores(
+        self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool, rows: bool = False
+    ) -> Tensor:
         """Scaled scores [B, H, L, K] = scale * qc . k + bias, in one pass over the
         [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
         onto the bias (baddbmm, beta = 1, alpha = scale). In place when the bias is ``fresh``
-        (a sum nothing else references) and not a view autograd would have to copy for it."""
+        (a sum nothing else references) and not a view autograd would have to copy for it.
+        ``rows``: one query of one row, traced (``matmul``): the product as a reduction with
+        the bias added, which the compiler fuses into one loop."""
+        if rows:
+            scores = matmul(qc, k.transpose(-1, -2), True) * self.scale
+            return scores if bias is None else scores + bias
         batch, heads, qlen, d_head = qc.shape
         klen = k.size(2)
-        rows = batch * heads
-        qc = qc.reshape(rows, qlen, d_head)
-        kt = k.transpose(-1, -2).reshape(rows, d_head, klen)
+        n = batch * heads
+        qc = qc.reshape(n, qlen, d_head)
+        kt = k.transpose(-1, -2).reshape(n, d_head, klen)
         if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
             return torch.bmm(qc, kt).mul_(self.scale).view(batch, heads, qlen, klen)
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
-            bias = bias if bias.dim() == 3 else bias.view(rows, qlen, klen)
+            bias = bias if bias.dim() == 3 else bias.view(n, qlen, klen)
             scores = bias.baddbmm_(qc, kt, alpha=self.scale)
         else:
-            bias = bias.expand(batch, heads, qlen, klen).reshape(rows, qlen, klen)
+            bias = bias.expand(batch, heads, qlen, klen).reshape(n, qlen, klen)
             scores = torch.baddbmm(bias, qc, kt, alpha=self.scale)
         return scores.view(batch, heads, qlen, klen)
 
@@ -222,7 +239,8 @@ class RelativeAttention(nn.Module):
         rk: Tensor | None,
         mask: Tensor | None,
         v: Tensor | None,
-        cache: LayerCache | None,
+        cache: CacheStep | None,
+        rows: bool = False,
     ) -> tuple[Tensor | None, bool]:
         """The additive bias: the scaled position scores (b)+(d) plus the mask as 0 / -inf,
         and whether it is a fresh tensor (see ``_scores``). It is [B H, L, K] for a shared
@@ -231,7 +249,9 @@ class RelativeAttention(nn.Module):
         (q + v) . r is computed once per distance, then laid out per pair: by the relative
         shift (a view) for [memory; segment] keys, by the cache's distance index for its
         ring of slots (or not at all: an eager step's keys come in slot order). The scale
-        goes onto the queries ([B, H, L, Dh], K/Dh times smaller).
+        goes onto the queries ([B, H, L, Dh], K/Dh times smaller). ``rows`` (one traced
+        query, see ``_scores``): the cache's keys are gathered per slot first, so that the
+        gather is an indexed load inside the product's reduction.
         """
         dtype = q.dtype if rk is None else rk.dtype
         mask_bias = None
@@ -239,14 +259,22 @@ class RelativeAttention(nn.Module):
             mask_bias = _as(mask, dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
         if rk is None:
             return mask_bias, False
-        qp = _as(q if v is None else q + v.unsqueeze(1), rk.dtype)
+        qp = _as(q if v is None else q + v, rk.dtype)
         if cache is None:  # from [B, H, L, K+1] (or wider, see _key_padding)
             klen = rk.size(1) - 1 if mask is None else mask.size(-1)
             pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
-        else:  # the cache's position keys are scaled already (TransformerXL.position_table)
-            pairs = qp @ rk.transpose(-1, -2)  # [B, H, L, S] per distance, or per slot
-            if cache.step.index is not None:
-                pairs = pairs.gather(-1, cache.step.index.expand(*qp.shape[:2], -1, -1))
+        elif rows:  # the cache's position keys are scaled already (position_table)
+            if cache.index is not None:  # per distance -> per slot
+                rk = rk.index_select(1, cache.index[0])
+            pairs = matmul(qp, rk.transpose(-1, -2), True)  # [B, H, 1, W]
+            return (pairs if mask_bias is None else pairs + mask_bias), True
+        else:
+            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order)
+            batch, heads, qlen, d_head = qp.shape
+            qp = qp.transpose(0, 1).reshape(heads, batch * qlen, d_head)
+            pairs = torch.bmm(qp, rk.transpose(1, 2)).view(heads, batch, qlen, -1).transpose(0, 1)
+            if cache.index is not None:  # per distance -> per slot
+                pairs = pairs.gather(-1, cache.index.expand(batch, heads, -1, -1))
         if mask_bias is None or mask_bias.dim() == 2:  # merging (B, H) is a view
             batch, heads, qlen, klen = pairs.shape
             pairs = pairs.reshape(batch * heads, qlen, klen)
@@ -264,52 +292,64 @@ class RelativeAttention(nn.Module):
         u: Tensor | None = None,
         v: Tensor | None = None,
         *,
-        cache: LayerCache | None = None,
+        cache: CacheStep | None = None,
+        weights: StepWeights | None = None,
         return_probs: bool = False,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions).
+    ) -> tuple[Tensor, Mapping[str, Tensor]]:
+        """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions), for
+        every L: a training or evaluation segment, a prompt's segment or one decoded token.
 
         mask: True (or 0.0) where attention is allowed, [L, K] or [B, 1, L, K]; float masks
-            are additive (0 / -inf). None: every key is visible (the cache's eager steps).
+            are additive (0 / -inf). None: every key is visible.
         pos: R [K+1, D] for "xl", distances [K+1] for "shaw", None for absolute encodings.
-        cache: inference only. The memory's keys and values come from the cache (``mem`` is
-            not used), this segment's are written into it, and the keys are its S slots
-            (K = S; ``mask`` is the cache's).
+        cache: inference only, this segment's step of a ``KVCache`` (txlm.model.cache). It
+            stores this segment's keys and values and supplies the keys, values and position
+            keys of its slots (K = S or the W written ones), their distance index, and the
+            mask (``mem``, ``mask`` and ``pos`` are not used).
+        weights: this layer's weights as a decoder holds them (txlm.model.layout: laid out
+            for one-row products, in the decoder's dtype; inputs are cast to it); None: the
+            parameters. A one-row query traced by torch.compile (``cache.fused``) writes its
+            products as reductions (``matmul``), which the compiler fuses with the cache
+            write, mask, softmax, residual and LayerNorm (ARCHITECTURE.md, C35).
         Returns (output [B, L, D], extras) with "probs" [B, H, L, K] on request.
         """
-        norm = self.norm
+        w = weights
+        if w is None:  # the position biases as [H, 1, Dh], broadcast over the queries
+            norm, (u, v) = self.norm, self._position_biases(u, v)
+        else:
+            norm, u, v = w.norm1, w.u, w.v
         x = layer_norm(norm, h) if self.pre_lnorm else h
-        # aligned keys (key_multiple > 1): for [memory; segment], with the probabilities over
-        # the real keys only when they are asked for
-        aligned = self.key_multiple > 1 and cache is None and mask is not None
-        aligned = aligned and not return_probs
-        front = 0
-        if aligned:  # see _key_padding
+        rows, front = False, 0
+        if cache is not None:
+            mask, rows = cache.mask, cache.fused  # one traced query: products as reductions
+        elif self.key_multiple > 1 and mask is not None and not return_probs:
+            # aligned keys for [memory; segment] (see _key_padding), with the probabilities
+            # over the real keys only when they are asked for
             klen = h.size(1) + (0 if mem is None else mem.size(1))
             front, back = _key_padding(klen, self.key_multiple)
             value = float("-inf") if mask.is_floating_point() else False
             mask = F.pad(mask, (front, 0), value=value)
             if pos is not None:  # R [K+1, D] rows or distances [K+1]: for masked pairs only
                 pos = F.pad(pos, (0, 0, front, back) if pos.dim() == 2 else (front, back))
-        q, k, val = self._project(x, mem, cache, front)
+        q, k, val = self._project(x, mem, cache, front, w, rows)
 
-        u, v = self._position_biases(u, v)
         if cache is not None:
-            rk = cache.table  # held in the cache's dtype
+            rk = cache.table(self.layer)  # held in the cache's dtype
         else:
             rk = self.position_keys(pos) if pos is not None else None
             rk = _as(rk, k.dtype) if rk is not None else None
-        fused = self._use_triton(mask, cache, return_probs)  # makes no bias [B, H, L, K]
-        bias, fresh = (None, False) if fused else self._bias(q, rk, mask, v, cache)
-        qc = q if u is None else q + u.unsqueeze(1)  # content terms (a) + (c)
+        # the Triton kernel makes no bias [B, H, L, K]
+        fused = self.attn_impl == "triton" and self._use_triton(mask, cache, return_probs)
+        bias, fresh = (None, False) if fused else self._bias(q, rk, mask, v, cache, rows)
+        qc = q if u is None else q + u  # content terms (a) + (c)
 
-        extras: dict[str, Tensor] = {}
+        extras = _NO_EXTRAS
         if fused:
             from txlm.model import triton_attention  # the triton package only when used
 
-            qp = q if v is None else q + v.unsqueeze(1)  # position terms (b) + (d)
+            qp = q if v is None else q + v  # position terms (b) + (d)
             attn = triton_attention.relative_attention(qc, qp, k, val, rk, mask, self.scale)
-        elif self._use_sdpa(q, rk, return_probs):
+        elif self.attn_impl == "sdpa" and self._use_sdpa(q, rk, return_probs):
             p_drop = self.dropatt if self.training else 0.0
             if bias is not None:
                 if bias.dim() == 3:
@@ -321,102 +361,48 @@ class RelativeAttention(nn.Module):
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
             bias = None if bias is None else _as(bias, k.dtype)
-            scores = self._scores(_as(qc, k.dtype), k, bias, fresh)
+            scores = self._scores(_as(qc, k.dtype), k, bias, fresh, rows)
+            if cache is not None and cache.hidden is not None:  # an eager step's one slot
+                scores.select(-1, cache.hidden).fill_(float("-inf"))
             if scores.dtype == torch.float32 or scores.dtype == torch.float64:
                 probs = torch.softmax(scores, dim=-1)
             else:  # half precision is normalised in float32
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(val.dtype)
             if return_probs:
-                extras["probs"] = probs
-            attn = dropout(probs, self.dropatt, self.training) @ val
+                extras = {"probs": probs}
+            if self.training:
+                probs = dropout(probs, self.dropatt, True)
+            attn = matmul(probs, val, rows)
 
         # functional calls: the same as the modules', without a module call per use
-        out = F.linear(attn.transpose(1, 2).flatten(2), self.out.weight)
-        out = dropout(out, self.drop.p, self.training)
+        attn = attn.transpose(1, 2).flatten(2)
+        if w is None:
+            out = F.linear(attn, self.out.weight)
+        else:
+            out = matmul(_as(attn, w.out_t.dtype), w.out_t, rows)
+        if self.training:
+            out = dropout(out, self.drop.p, True)
         return h + out if self.pre_lnorm else layer_norm(norm, h + out), extras
 
     def _position_biases(
         self, u: Tensor | None, v: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None]:
-        """The content and position biases u, v [H, Dh] this layer adds ("xl" only): its own
-        (untie_r) or the model's shared ones."""
+        """The content and position biases u, v this layer adds ("xl" only), [H, 1, Dh] to
+        broadcast over the queries: its own (untie_r) or the model's shared ones [H, Dh]."""
         if self.attn_type != "xl":
             return None, None
         if self.untie_r:
-            return self.u, self.v
-        return u, v
-
-    # -- one query ----------------------------------------------------------------------
-    def decode_one(self, h: Tensor, cache: LayerCache, w: StepWeights) -> Tensor:
-        """``forward`` for one query per row over the cache: h [B, D] -> [B, D].
-
-        The same terms as ``forward`` laid out for L = 1: scores over the W slots the query
-        attends to are [B H, 1, W] rows, the content term (q + u) . k accumulates onto the
-        position term (q + v) . r (the cache's position keys, pre-scaled) in one ``baddbmm``
-        with the scale as alpha, and every product is a matrix-vector one (no fused SDPA
-        kernel: for one query its blocked kernel costs more than two such products). The
-        position term comes per slot (an eager step's ring table) or per distance, then
-        gathered by the step's index (a static step); the mask is the step's. ``w``: this
-        layer's weights laid out for one-row products (txlm.model.layout), in their own
-        dtype: inputs are cast to it and results back (a bf16 decoder over a float32 cache).
-        Traced by torch.compile for one row (``cache.step.fused``) the same terms are written
-        as elementwise products and sums (``row_product``): the compiler then fuses the whole
-        layer into a few loop nests around the cache write, with no library call
-        (ARCHITECTURE.md, C35).
-        Inference only (no dropout).
-        """
-        batch, n_head, d_head = h.size(0), self.n_head, self.d_head
-        inner = n_head * d_head
-        act = h.dtype
-        wdt = w.qkv_t.dtype
-        step = cache.step
-        fused = step.fused  # products as reductions the compiler fuses (row_product)
-        x = _norm(h, *w.norm1) if self.pre_lnorm else h
-        x = x if wdt == act else x.to(wdt)
-        qkv = row_product(x, w.qkv_t) if fused else torch.mm(x, w.qkv_t)  # [B, 3 I]
-        qkv = qkv if wdt == act else qkv.to(act)
-        keys, values = cache.write_one(qkv[:, inner:])  # [B H, W, Dh] views of the cache
-        q = _as(qkv[:, :inner].view(batch, n_head, d_head), keys.dtype)
-        qc = (q if w.u is None else q + w.u).reshape(-1, 1, d_head)  # [B H, 1, Dh]
-        width = keys.size(1)
-        rk = cache.table  # [H, W, Dh] in slot order, or [H, S, Dh] per distance; scaled
-        if fused:  # [B H, W]: both terms in one reduction over Dh, the gather an indexed load
-            scores = (qc * keys).sum(-1) * self.scale
-            if rk is not None:
-                qp = q if w.v is None else q + w.v  # [B, H, Dh]
-                if step.index is not None:  # per distance -> per slot
-                    rk = rk.index_select(1, step.index[0])
-                scores = scores + (qp.unsqueeze(2) * rk).sum(-1).view(-1, width)
-            scores = scores.unsqueeze(1)  # [B H, 1, W]
-        elif rk is None:  # absolute encodings: content only
-            scores = torch.bmm(qc, keys.transpose(1, 2)).mul_(self.scale)
-        else:
-            qp = (q if w.v is None else q + w.v).transpose(0, 1)  # [H, B, Dh]
-            pos = torch.bmm(qp, rk.transpose(1, 2)).transpose(0, 1)  # [B, H, W or S]
-            if step.index is not None:  # per distance -> per slot
-                pos = pos.index_select(-1, step.index[0])
-            pos = pos.reshape(-1, 1, width)
-            scores = pos.baddbmm_(qc, keys.transpose(1, 2), alpha=self.scale)  # [B H, 1, W]
-        if step.mask is not None:  # [1, S] shared, or [B, 1, 1, S] per row
-            scores = (scores.view(batch, n_head, width) + step.mask.view(-1, 1, width)).view(
-                -1, 1, width
-            )
-        elif step.hidden is not None:
-            scores.select(2, step.hidden).fill_(float("-inf"))
-        if scores.dtype == torch.float32 or scores.dtype == torch.float64:
-            probs = torch.softmax(scores, dim=-1)
-        else:  # half precision is normalised in float32
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-        # the weighted sum of values, [B H, Dh] (fused: a reduction over the W slots)
-        attn = (probs.transpose(1, 2) * values).sum(1) if fused else torch.bmm(probs, values)
-        attn = _as(attn.view(batch, inner), act)
-        attn = attn if wdt == act else attn.to(wdt)
-        out = row_product(attn, w.out_t) if fused else torch.mm(attn, w.out_t)
-        out = out if wdt == act else out.to(act)
-        return h + out if self.pre_lnorm else _norm(h + out, *w.norm1)
+            u, v = self.u, self.v
+        return u.unsqueeze(1), v.unsqueeze(1)
 
     def _project(
-        self, x: Tensor, mem: Tensor | None, cache: LayerCache | None, front: int = 0
+        self,
+        x: Tensor,
+        mem: Tensor | None,
+        cache: CacheStep | None,
+        front: int = 0,
+        w: StepWeights | None = None,
+        rows: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees
         (``front`` zero keys and values first: masked slots that align K, _key_padding).
@@ -425,14 +411,20 @@ class RelativeAttention(nn.Module):
         concatenation, where slices would each zero-fill a full-size gradient). The memory
         is a constant (stop-gradient, Sec. 3.2), projected in its own product, so training's
         backward computes no input gradient for its M rows (2 B M D 2I FLOPs per layer).
+        Over a cache the keys and values are its slots, this segment's written into them.
         """
         inner = self.n_head * self.d_head
-        q, kv = F.linear(x, self.qkv.weight).split([inner, 2 * inner], dim=-1)
+        if w is None:
+            qkv = F.linear(x, self.qkv.weight)
+        else:
+            qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, rows)
+        if cache is not None:  # [B, L, 3I] -> [3, B, H, L, Dh]: one write for k and v
+            batch, qlen = qkv.shape[:2]
+            qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
+            k, val = cache.write(self.layer, qkv[1:])
+            return _as(qkv[0], k.dtype), k, val  # attention runs in the cache's dtype
+        q, kv = qkv.split_with_sizes([inner, 2 * inner], dim=-1)
         q = self._heads(q)
-        if cache is not None:  # [B, L, 2I] -> [2, B, H, L, Dh]: one write for both
-            kv = kv.unflatten(-1, (2, self.n_head, self.d_head)).permute(2, 0, 3, 1, 4)
-            k, val = cache.write(kv)
-            return _as(q, k.dtype), k, val  # attention runs in the cache's dtype
         parts = [kv]
         if mem is not None and mem.size(1) > 0:
             m = layer_norm(self.norm, mem) if self.pre_lnorm else mem
@@ -444,7 +436,7 @@ class RelativeAttention(nn.Module):
         k, val = (self._heads(t) for t in kv.chunk(2, dim=-1))
         return q, k, val
 
-    def _use_triton(self, mask: Tensor | None, cache: LayerCache | None, probs: bool) -> bool:
+    def _use_triton(self, mask: Tensor | None, cache: CacheStep | None, probs: bool) -> bool:
         """Whether txlm.model.triton_attention runs: for [memory; segment] keys under a bool
         mask, with no probabilities asked for and no attention dropout to apply (it has
         none); anything else takes the math path."""
@@ -481,29 +473,28 @@ class PositionwiseFF(nn.Module):
         self.drop = Dropout(config.dropout)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
 
-    def forward(self, h: Tensor) -> Tensor:
-        """h [..., D] -> [..., D]."""
-        norm, p, training = self.norm, self.drop.p, self.training
-        x = layer_norm(norm, h) if self.pre_lnorm else h
+    def forward(self, h: Tensor, weights: StepWeights | None = None, rows: bool = False) -> Tensor:
+        """h [..., D] -> [..., D]. ``weights``, ``rows``: as in ``RelativeAttention.forward``
+        (a decoder's weights; one traced row's products as reductions)."""
+        if weights is None:
+            norm, b1, b2 = self.norm, self.fc1.bias, self.fc2.bias
+            w1, w2 = self.fc1.weight.t(), self.fc2.weight.t()
+        else:
+            norm, b1, b2 = weights.norm2, weights.fc1_b, weights.fc2_b
+            w1, w2 = weights.fc1_t, weights.fc2_t
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer (addmm(b, x, W^T)
         # is what F.linear runs for one), where torch may run a 3-D one as a product and a
         # separate pass to add the bias
-        x = x.reshape(-1, h.size(-1))
-        w1 = self.fc1.weight.t()
-        out = torch.addmm(self.fc1.bias, _as(x, w1.dtype), w1).relu_()
-        out = torch.addmm(self.fc2.bias, dropout(out, p, training), self.fc2.weight.t())
-        out = dropout(out.view(h.shape), p, training)
-        return h + out if self.pre_lnorm else layer_norm(norm, h + out)
-
-    def decode_one(self, h: Tensor, w: StepWeights, fused: bool) -> Tensor:
-        """``forward`` for one query per row, h [B, D] -> [B, D], on ``w``: the two layers
-        laid out for one-row products (txlm.model.layout) in their own dtype, the input cast
-        to it and the result back. ``fused``: as reductions (``row_product``). Inference."""
-        x = _norm(h, *w.norm2) if self.pre_lnorm else h
-        x = _as(x, w.fc1_t.dtype)
-        if fused:
-            out = row_product(row_product(x, w.fc1_t, w.fc1_b).relu_(), w.fc2_t, w.fc2_b)
+        rows_in = h.reshape(-1, h.size(-1))
+        x = layer_norm(norm, rows_in) if self.pre_lnorm else rows_in
+        x = _as(x, w1.dtype)
+        if rows:
+            out = matmul(matmul(x, w1, True).add_(b1).relu_(), w2, True).add_(b2)
+        elif self.training:
+            p = self.drop.p
+            out = torch.addmm(b2, dropout(torch.addmm(b1, x, w1).relu_(), p, True), w2)
+            out = dropout(out.view(h.shape), p, True).view(rows_in.shape)
         else:
-            out = torch.addmm(w.fc2_b, torch.addmm(w.fc1_b, x, w.fc1_t).relu_(), w.fc2_t)
-        out = _as(out, h.dtype)
-        return h + out if self.pre_lnorm else _norm(h + out, *w.norm2)
+            out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
+        out = rows_in + out
+        return (out if self.pre_lnorm else layer_norm(norm, out)).view(h.shape)

@@ -50,8 +50,11 @@ _EMPTY = -(2**40)  # position of a slot never written: outside every memory wind
 
 @dataclass
 class CacheStep:
-    """What every layer of one segment shares (made once per segment by ``KVCache.advance``)."""
+    """One segment's step over the cache, what every layer's attention is given (made once
+    per segment by ``KVCache.advance``): the slots it writes, its mask and distance index,
+    and the layers' keys, values and position keys through ``write`` and ``table``."""
 
+    cache: KVCache
     slots: Tensor  # [L] the slots this segment writes
     mask: Tensor | None  # additive 0 / -inf [L, S] or [B, 1, L, S] in the cache's dtype; None:
     # every slot of the window is visible (an eager one-token step, see KVCache.advance)
@@ -64,55 +67,37 @@ class CacheStep:
     traced: bool = False  # made inside a torch.compile trace (decided once a step, not per
     # layer: the layers read these two flags)
     fused: bool = False  # traced, one row and one query: the layers write their products as
-    # reductions the compiler fuses (attention.row_product)
+    # reductions the compiler fuses (attention.matmul)
 
-
-@dataclass
-class LayerCache:
-    """One layer's view of the cache for one segment: what ``RelativeAttention`` is given."""
-
-    cache: KVCache
-    step: CacheStep
-    layer: int
-
-    @property
-    def table(self) -> Tensor | None:
-        """Position keys (None for absolute encodings): of distances 0 .. S-1, [H, S, Dh], to
-        be gathered by ``step.index``; or, when the index is None, those of the W slots in
-        slot order, [H, W, Dh]."""
-        cache, step = self.cache, self.step
+    def table(self, layer: int) -> Tensor | None:
+        """Layer ``layer``'s position keys (None for absolute encodings): of distances
+        0 .. S-1, [H, S, Dh], to be gathered by ``index``; or, when the index is None, those
+        of the W slots in slot order, [H, W, Dh]."""
+        cache = self.cache
         if cache.tables is None:
             return None
-        if step.index is None:
-            return cache.ring_tables[self.layer].narrow(1, step.ring, step.width)
-        return cache.tables[self.layer]
+        if self.index is None:
+            return cache.ring_tables[layer].narrow(1, self.ring, self.width)
+        return cache.tables[layer]
 
-    def write(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.write(self.layer, self.step, kv)
-
-    def write_one(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """One query per row: store ``kv`` [B, 2 H Dh] (keys then values, as the fused
-        projection gives them); the keys and values [B H, W, Dh] the query attends over."""
-        cache, step = self.cache, self.step
-        buffer = cache.kv[self.layer]  # [2, B, H, S, Dh]
-        _, batch, heads, _, d_head = buffer.shape
+    def write(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this segment's keys and values of layer ``layer``, ``kv`` [2, B, H, L, Dh];
+        returns the keys and values of the slots it attends over, [B, H, S or W, Dh] each."""
+        cache = self.cache
+        buffer = cache.kv[layer]  # [2, B, H, S, Dh]
         kv = kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype)
-        if step.traced:
+        if self.traced:
             # Traced, a write into a view of the buffer becomes a copy of the whole layer
-            # (functionalisation), every layer and token; indexing the buffer itself with
-            # tensors (layer, slot) is an in-place scatter of the B x 2 H rows only. Eagerly
+            # (functionalisation), every layer and segment; indexing the buffer itself with
+            # tensors (layer, slots) is an in-place scatter of the written rows only. Eagerly
             # the view's index_copy_ is the cheaper call.
-            layer = cache.layer_ids.narrow(0, self.layer, 1)
-            rows = kv.view(batch, 2, heads, d_head).transpose(0, 1).unsqueeze(0)
-            cache.kv[layer, :, :, :, step.slots] = rows  # [1, 2, B, H, Dh]
+            index = cache.layer_ids.narrow(0, layer, 1)
+            cache.kv[index, :, :, :, self.slots] = kv.permute(3, 0, 1, 2, 4)  # [L, 2, B, H, Dh]
         else:
-            buffer.index_copy_(3, step.slots, kv.view(batch, 2, heads, 1, d_head).transpose(0, 1))
-        if step.width < cache.slots:
-            buffer = buffer.narrow(3, 0, step.width)
-        rows = batch * heads
-        return buffer[0].reshape(rows, step.width, d_head), buffer[1].reshape(
-            rows, step.width, d_head
-        )
+            buffer.index_copy_(3, self.slots, kv)
+        if self.width < cache.slots:
+            buffer = buffer.narrow(3, 0, self.width)
+        return buffer[0], buffer[1]
 
 
 class KVCache:
@@ -152,7 +137,7 @@ class KVCache:
         self.written = 0  # eager caches: next_pos on the host (a static step never reads it)
         self._stale = False  # eager caches: pos / next_pos lag ``written`` (see _sync)
         self._slot_ids = torch.arange(self.slots, device=device)
-        self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (LayerCache)
+        self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (CacheStep.write)
 
     @property
     def k(self) -> Tensor:
@@ -217,8 +202,8 @@ class KVCache:
                     (t - self.mem_len) % self.slots if same_length and t >= self.mem_len else None
                 )
                 return CacheStep(
-                    self._slot_ids.narrow(0, slot, 1), None, None, width, self.slots - 1 - slot,
-                    hidden,
+                    self, self._slot_ids.narrow(0, slot, 1), None, None, width,
+                    self.slots - 1 - slot, hidden,
                 )  # fmt: skip
         self._sync()
         device = self.pos.device
@@ -245,9 +230,8 @@ class KVCache:
         mask.masked_fill_(~visible, float("-inf"))
         traced = torch.compiler.is_compiling()
         fused = traced and qlen == 1 and self.batch == 1
-        return CacheStep(
-            slots, mask, dist.clamp(0, self.slots - 1), self.slots, traced=traced, fused=fused
-        )
+        index = dist.clamp(0, self.slots - 1)
+        return CacheStep(self, slots, mask, index, self.slots, traced=traced, fused=fused)
 
     def _sync(self) -> None:
         """Bring the device's pos / next_pos up to ``written`` after unmasked eager steps:
@@ -260,15 +244,6 @@ class KVCache:
             last = end - 1 - (end - 1 - self._slot_ids) % self.slots  # [S]
             self.pos.copy_(torch.where(last >= 0, last, torch.full_like(last, _EMPTY)))
             self.next_pos.fill_(end)
-
-    def write(self, layer: int, step: CacheStep, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this segment's keys and values ``kv`` [2, B, H, L, Dh]; returns the keys and
-        values of all S slots, [B, H, S, Dh] each."""
-        buffer = self.kv[layer]
-        buffer.index_copy_(3, step.slots, kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype))
-        if step.width < self.slots:
-            buffer = buffer.narrow(3, 0, step.width)
-        return buffer[0], buffer[1]
 
     @property
     def length(self) -> int:

@@ -1,4 +1,4 @@
-"""A decoder layer's weights laid out for one-row products: what a decoding step multiplies.
+"""A decoder layer's weights laid out for one-row products: what a decoder's forward multiplies.
 
 Dimension legend
     D  model dim     I  H Dh, the attention's inner dim     F  feed-forward inner dim
@@ -41,7 +41,8 @@ def one_row_layout(weight: Tensor, dtype: torch.dtype) -> Tensor:
 
 @dataclass(frozen=True)
 class StepWeights:
-    """Everything one decoder layer's one-query step reads, ready to use: the projections
+    """Everything a decoder layer's forward reads over a decoder's cache, ready to use
+    (``RelativeAttention.forward``'s and ``PositionwiseFF.forward``'s ``weights``): the projections
     as W^T [in, out] in the products' dtype, the LayerNorms as (weight, bias, eps), and the
     layer's position biases u, v [H, Dh] ("xl": its own or the model's shared ones, else
     None) in the attention's dtype. Plain tensors: a step makes no module attribute look-up
@@ -86,7 +87,7 @@ class StepWeights:
             u, v = attn.u, attn.v
 
         def bias(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.detach().to(attn_dtype)
+            return None if x is None else x.detach().to(attn_dtype).unsqueeze(1)
 
         def norm(m: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
             return m.weight.detach(), m.bias.detach(), m.eps

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from txlm.config import ModelConfig
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
 from txlm.model.attention import PositionwiseFF, RelativeAttention
-from txlm.model.cache import KVCache, LayerCache
+from txlm.model.cache import CacheStep, KVCache
 from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
 from txlm.model.lengths import Lengths
@@ -44,9 +44,9 @@ class TransformerXLOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.attn = RelativeAttention(config)
+        self.attn = RelativeAttention(config, index)
         self.ff = PositionwiseFF(config)
         if config.attn_type == "alrfou":
             # Al-Rfou et al.: a learned absolute embedding added to every layer's input.
@@ -60,19 +60,18 @@ class DecoderLayer(nn.Module):
         pos: Tensor | None,
         u: Tensor | None,
         v: Tensor | None,
+        *,
+        cache: CacheStep | None = None,
+        weights: StepWeights | None = None,
         **attn_kwargs,
     ) -> tuple[Tensor, dict]:
-        """h [B, L, D] -> ([B, L, D], attention extras)."""
-        out, extras = self.attn(h, mem, mask, pos, u, v, **attn_kwargs)
-        return self.ff(out), extras
-
-    def decode_one(self, h: Tensor, cache: LayerCache, weights: StepWeights) -> Tensor:
-        """One query per row over the cache (a decoding step): rows h [B, D] -> [B, D], the
-        attention's one-query form and the feed-forward on ``weights``, this layer's laid
-        out for one-row products (txlm.model.layout). Inference only."""
-        return self.ff.decode_one(
-            self.attn.decode_one(h, cache, weights), weights, cache.step.fused
-        )
+        """h [B, L, D] -> ([B, L, D], attention extras); ``cache``, ``weights``: see
+        RelativeAttention.forward."""
+        # the sub-layers' forward itself, not a module call each: a decoding step makes
+        # a few hundred calls, and these would be two of them per layer (hooks go on the layer)
+        out, extras = self.attn.forward(h, mem, mask, pos, u, v, cache=cache, weights=weights,
+                                        **attn_kwargs)  # fmt: skip
+        return self.ff.forward(out, weights, cache is not None and cache.fused), extras
 
 
 class TransformerXL(nn.Module):
@@ -87,7 +86,7 @@ class TransformerXL(nn.Module):
         assert c.d_embed is not None
         self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
         self.drop = Dropout(c.dropout)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layer))
+        self.layers = nn.ModuleList(DecoderLayer(c, n) for n in range(c.n_layer))
         if c.attn_type == "xl" and not c.untie_r:
             # Global content and position biases u, v, shared by all layers (Sec. 3.3).
             self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
@@ -209,8 +208,9 @@ class TransformerXL(nn.Module):
         ``cache`` (inference): the memory's keys and values come from it and this segment's
         go into it (txlm.model.cache); ``mems`` and ``mem_mask`` are then only carried along
         (updated when given, for callers that want the hidden-state memory too).
-        ``weights``: per layer the projections laid out for one-row products, for one-token
-        steps over the cache (txlm.model.layout; None: the parameters as they are).
+        ``weights``: per layer the weights a decoder holds (txlm.model.layout: laid out for
+        one-row products, in its dtype; None: the parameters as they are). Every query length
+        runs the same layers: a segment, a prompt's segment or one decoded token.
         ``extras``, when a list, receives each layer's attention extras (see
         RelativeAttention.forward; ``attn_kwargs`` asks for them).
         """
@@ -241,6 +241,7 @@ class TransformerXL(nn.Module):
             h = dropout(h, self.drop.p, True)
 
         pos: Tensor | None = None
+        step: CacheStep | None = None
         if cache is not None:
             step = cache.advance(qlen, reset)
             mask, next_valid = step.mask, None
@@ -258,34 +259,20 @@ class TransformerXL(nn.Module):
                 pos = relative_distances(klen, self._shaw_clamp(lengths.clamp_len), device)
         kwargs = attn_kwargs or {}
 
-        hiddens = []  # each layer's input: the next memory (not needed over a cache alone)
+        hiddens = []  # each layer's input: the next memory
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
-        # one query per row over the cache (a decoding step): the layers' one-query form, on
-        # rows [B, D]
-        one = cache is not None and qlen == 1 and mems is None and not kwargs
-        if one:
-            h = h.view(h.size(0), -1)
-            if weights is None:  # a one-off step: views of the parameters
-                weights = self.step_weights(attn_dtype=cache.kv.dtype, copy=False)
-        else:  # the shared u, v (the one-query form has them in its weights)
-            u, v = getattr(self, "u", None), getattr(self, "v", None)
+        u, v = getattr(self, "u", None), getattr(self, "v", None)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
-            if one:
-                h = layer.decode_one(h, LayerCache(cache, step, n), weights[n])
-                continue
             hiddens.append(h)
-            layer_cache = None if cache is None else LayerCache(cache, step, n)
             h, layer_extras = layer(
-                h, None if mems is None else mems[n], mask, pos, u, v, cache=layer_cache,
-                **kwargs,
+                h, None if mems is None else mems[n], mask, pos, u, v, cache=step,
+                weights=None if weights is None else weights[n], **kwargs,
             )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
-        if one:
-            h = h.unsqueeze(1)
         if self.training:
             h = dropout(h, self.drop.p, True)
         if cache is not None:
@@ -349,8 +336,8 @@ class TransformerXL(nn.Module):
         *,
         copy: bool = True,
     ) -> list[StepWeights]:
-        """Per layer what a one-token step reads (txlm.model.layout), its products in
-        ``dtype`` and its attention in ``attn_dtype`` (the weights' by default): a decoder
+        """Per layer the weights a decoder's forward reads (txlm.model.layout), its products
+        in ``dtype`` and its attention in ``attn_dtype`` (the weights' by default): a decoder
         makes them once (``copy=False``: views of the parameters as they are)."""
         u, v = getattr(self, "u", None), getattr(self, "v", None)
         return [
