@@ -41,6 +41,7 @@ from txlm.errors import ConfigError
 from txlm.head import DecodingHead
 from txlm.model.cache import KVCache
 from txlm.model.lengths import Lengths
+from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXL
 from txlm.sampling import SamplingConfig, draw_noise, sample
 
@@ -50,26 +51,6 @@ def check_ids(rows: list[list[int]], vocab_size: int) -> None:
         bad = [x for x in r if not 0 <= x < vocab_size]
         if bad:
             raise ConfigError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-
-def inference_call(
-    model: TransformerXL, fn: Callable[[], Tensor], mode: type = torch.inference_mode
-) -> Tensor:
-    """``fn()`` in inference mode (no autograd bookkeeping: version counters, views, which
-    a few hundred small operations a step would feel) with the model in eval mode (dropout
-    off: the cache is exact only for a deterministic forward), the model back in its mode
-    after it; the result copied out, an ordinary tensor. Nothing stays changed between calls.
-    ``mode``: ``torch.no_grad`` for state that callers may use in autograd later."""
-    was_training = model.training
-    if was_training:
-        model.eval()
-    try:
-        with mode():
-            out = fn()
-    finally:
-        if was_training:
-            model.train()
-    return out.clone()
 
 
 class _Reader:
@@ -147,7 +128,9 @@ class UncachedDecoder(_Reader):
         return hidden
 
     def _call(self, fn: Callable[[], Tensor]) -> Tensor:
-        return inference_call(self.model, fn, torch.no_grad)  # its memory: ordinary tensors
+        """``fn()`` without autograd (its memory: ordinary tensors) in eval mode."""
+        with evaluating(self.model), torch.no_grad():
+            return fn()
 
     def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:
         return self._call(lambda: self.model.softmax.log_prob(self._read(prompts, start_id)))
@@ -269,7 +252,13 @@ class CachedDecoder(_Reader):
         return hidden
 
     def _call(self, fn: Callable[[], Tensor]) -> Tensor:
-        return inference_call(self.model, fn)  # the cache is only ever written in this mode
+        """``fn()`` in inference mode (no autograd bookkeeping: version counters, views, which
+        a few hundred small operations a step would feel; the cache is only ever written in
+        this mode) with the model in eval mode (dropout off: the cache is exact only for a
+        deterministic forward); the result copied out, an ordinary tensor."""
+        with evaluating(self.model), torch.inference_mode():
+            out = fn()
+        return out.clone()
 
     # -- the prompt ---------------------------------------------------------------------
     def prefill(self, prompts: Sequence[Sequence[int]], *, start_id: int | None = None) -> Tensor:

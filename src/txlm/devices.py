@@ -37,6 +37,17 @@ def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
     return device
 
 
+def wanted(setting: bool | str, device: torch.device | str) -> bool:
+    """A feature's true / false / "auto" setting resolved for ``device``: "auto" turns it on
+    for CUDA only (compiling the training step, padding the stored widths: both pay there
+    and cost on a CPU)."""
+    if setting == "auto":
+        import torch
+
+        return torch.device(device).type == "cuda"
+    return bool(setting)
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     """fp16 autocast exists for GPUs only; bf16 runs on both."""
     if precision == "fp16" and device.type != "cuda":

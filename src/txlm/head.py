@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from txlm.model.adaptive import AdaptiveLogSoftmax
+from txlm.model.adaptive import AdaptiveLogSoftmax, upcast
 from txlm.model.attention import matmul
 from txlm.model.layout import one_row_layout
 from txlm.sampling import (
@@ -49,7 +49,6 @@ from txlm.sampling import (
     draw_noise,
     race,
     sample,
-    upcast,
 )
 
 

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from txlm.errors import ConfigError
+from txlm.model.adaptive import upcast
 
 
 @dataclass(frozen=True)
@@ -199,8 +200,3 @@ def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
 def race(probs: Tensor, noise: Tensor) -> Tensor:
     """[B, k] probabilities, [B, k] exponentials -> [B, 1]: the index of argmax p_i / E_i."""
     return (probs / noise).argmax(dim=-1, keepdim=True)
-
-
-def upcast(x: Tensor) -> Tensor:
-    """Half-precision scores are compared and normalised in float32; others stay."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

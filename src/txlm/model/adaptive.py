@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-def _upcast(x: Tensor) -> Tensor:
-    """Half-precision logits are normalised in float32; float32/float64 stay as they are."""
+def upcast(x: Tensor) -> Tensor:
+    """Half-precision logits or scores are normalised and compared in float32; float32 and
+    float64 stay as they are."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
@@ -58,7 +59,7 @@ class AdaptiveEmbedding(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, L] -> [B, L, P]."""
         if self.div_val == 1:
-            emb = self.layers[0](ids)
+            emb = F.embedding(ids, self.layers[0].weight)  # (no module call: one per token)
             if len(self.projs):
                 emb = F.linear(emb, self.projs[0])
             return emb * self.scale
@@ -144,7 +145,7 @@ class AdaptiveLogSoftmax(nn.Module):
                 [F.linear(h, weight, bias), F.linear(h, self.cluster_weight, self.cluster_bias)],
                 dim=-1,
             )
-        return F.log_softmax(_upcast(logits), dim=-1)
+        return F.log_softmax(upcast(logits), dim=-1)
 
     # -- public -------------------------------------------------------------------------
     def log_prob(self, hidden: Tensor) -> Tensor:
@@ -156,7 +157,7 @@ class AdaptiveLogSoftmax(nn.Module):
         out[:, : self.shortlist] = head[:, : self.shortlist]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
-            tail = F.log_softmax(_upcast(self._logits(hidden, *self._weights(i))), dim=-1)
+            tail = F.log_softmax(upcast(self._logits(hidden, *self._weights(i))), dim=-1)
             out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
         return out
 
@@ -293,14 +294,14 @@ class _BlockNLL(torch.autograd.Function):
             tgt = target.clamp(min=0)[:, None]
             step = max(1, CHUNK_ELEMENTS // max(rows, 1))
             # an empty head first, so that no tokens at all still gives [0] and [0, R]
-            nlls = [x.new_zeros(0, dtype=_upcast(xc).dtype)]
+            nlls = [x.new_zeros(0, dtype=upcast(xc).dtype)]
             grads = [xc.new_zeros(0, rows)]
             for s in range(0, n, step):
                 t = tgt[s : s + step]
                 logits = torch.addmm(bc, xc[s : s + step], wc.t())
                 if real < rows:  # padded rows: no probability, no gradient
                     logits[:, real:] = float("-inf")
-                logp = torch.log_softmax(_upcast(logits), dim=-1)
+                logp = torch.log_softmax(upcast(logits), dim=-1)
                 nlls.append(-logp.gather(1, t).squeeze(1))
                 # d nll / d logits = softmax - onehot
                 grad = logp.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=logp.dtype))

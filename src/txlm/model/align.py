@@ -49,6 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txlm.devices import wanted  # pad? true, false or "auto" (on CUDA)
+
+__all__ = [
+    "pad", "pad_heads", "pad_keys", "pad_model", "pad_widths", "padded_axes", "strip", "wanted",
+]  # fmt: skip
+
 
 @dataclass(frozen=True)
 class Pad:
@@ -97,13 +103,6 @@ def padded_axes(model: nn.Module) -> dict[str, tuple[Pad, ...]]:
     """Parameter name (as ``named_parameters`` gives it) -> its padded axes."""
     padding = getattr(model, "_txlm_padding", {})
     return {n: padding[n] for n, _ in model.named_parameters() if n in padding}
-
-
-def wanted(setting: bool | str, device: str | torch.device) -> bool:
-    """Pad? ``setting``: true, false or "auto" (on CUDA)."""
-    if setting == "auto":
-        return torch.device(device).type == "cuda"
-    return bool(setting)
 
 
 def _strip_hook(module, state_dict, prefix, local_metadata):

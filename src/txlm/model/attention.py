@@ -68,7 +68,9 @@ def layer_norm(norm: nn.LayerNorm | tuple[Tensor, Tensor, float], x: Tensor) -> 
     bias, eps) as a decoder holds them (txlm.model.layout). A residual stream stored wider
     than the model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros
     after."""
-    weight, bias, eps = norm if isinstance(norm, tuple) else (norm.weight, norm.bias, norm.eps)
+    if isinstance(norm, tuple):  # a decoder's, in a step that runs with autocast off
+        return _norm(x, *norm)
+    weight, bias, eps = norm.weight, norm.bias, norm.eps
     if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
         # half-precision activations stay half (autocast would return float32); the kernel
         # keeps its statistics in float32 and reads the float32 weights as they are
@@ -226,7 +228,7 @@ class RelativeAttention(nn.Module):
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
-            bias = bias if bias.dim() == 3 else bias.view(n, qlen, klen)
+            bias = bias if bias.dim() == 3 else bias.reshape(n, qlen, klen)
             scores = bias.baddbmm_(qc, kt, alpha=self.scale)
         else:
             bias = bias.expand(batch, heads, qlen, klen).reshape(n, qlen, klen)
@@ -269,12 +271,14 @@ class RelativeAttention(nn.Module):
             pairs = matmul(qp, rk.transpose(-1, -2), True)  # [B, H, 1, W]
             return (pairs if mask_bias is None else pairs + mask_bias), True
         else:
-            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order)
+            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order);
+            # inference: a fresh [B, H, L, S] bias that _scores merges (B, H) of
             batch, heads, qlen, d_head = qp.shape
             qp = qp.transpose(0, 1).reshape(heads, batch * qlen, d_head)
             pairs = torch.bmm(qp, rk.transpose(1, 2)).view(heads, batch, qlen, -1).transpose(0, 1)
             if cache.index is not None:  # per distance -> per slot
                 pairs = pairs.gather(-1, cache.index.expand(batch, heads, -1, -1))
+            return (pairs if mask_bias is None else pairs + mask_bias), True
         if mask_bias is None or mask_bias.dim() == 2:  # merging (B, H) is a view
             batch, heads, qlen, klen = pairs.shape
             pairs = pairs.reshape(batch * heads, qlen, klen)

@@ -262,7 +262,9 @@ class TransformerXL(nn.Module):
         hiddens = []  # each layer's input: the next memory
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
-        u, v = getattr(self, "u", None), getattr(self, "v", None)
+        u, v = None, None  # the shared position biases, where a decoder's weights lack them
+        if weights is None:
+            u, v = getattr(self, "u", None), getattr(self, "v", None)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)

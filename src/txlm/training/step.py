@@ -39,16 +39,13 @@ import torch
 from torch import Tensor
 
 from txlm import distributed as dist
+from txlm.devices import wanted
 from txlm.evaluate import autocast
 from txlm.training.state import Memory
 
-
-def compile_wanted(setting: bool | str, device: torch.device) -> bool:
-    """``run.compile``: true, false, or auto (on for CUDA, where it pays; off on CPU, where
-    inductor's training step was measured slower than eager)."""
-    if setting == "auto":
-        return device.type == "cuda"
-    return bool(setting)
+# ``run.compile``: true, false, or auto (on for CUDA, where it pays; off on a CPU, where
+# inductor's training step is slower than eager): the rule every "auto" setting follows
+compile_wanted = wanted
 
 
 def graphs_compiled() -> int:
