@@ -15,7 +15,7 @@ Feed ``out.mems`` and ``out.mem_mask`` back with the next segment of the same ro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +63,14 @@ class DecoderLayer(nn.Module):
         *,
         cache: CacheStep | None = None,
         weights: StepWeights | None = None,
-        **attn_kwargs,
-    ) -> tuple[Tensor, dict]:
-        """h [B, L, D] -> ([B, L, D], attention extras); ``cache``, ``weights``: see
-        RelativeAttention.forward."""
+        return_probs: bool = False,
+    ) -> tuple[Tensor, Mapping[str, Tensor]]:
+        """h [B, L, D] -> ([B, L, D], attention extras); ``cache``, ``weights``,
+        ``return_probs``: see RelativeAttention.forward."""
         # the sub-layers' forward itself, not a module call each: a decoding step makes
         # a few hundred calls, and these would be two of them per layer (hooks go on the layer)
         out, extras = self.attn.forward(h, mem, mask, pos, u, v, cache=cache, weights=weights,
-                                        **attn_kwargs)  # fmt: skip
+                                        return_probs=return_probs)  # fmt: skip
         return self.ff.forward(out, weights, cache is not None and cache.fused), extras
 
 
@@ -258,6 +258,9 @@ class TransformerXL(nn.Module):
             elif c.attn_type == "shaw":
                 pos = relative_distances(klen, self._shaw_clamp(lengths.clamp_len), device)
         kwargs = attn_kwargs or {}
+        if set(kwargs) - {"return_probs"}:  # the one option the attention takes
+            raise TypeError(f"unknown attention options {sorted(set(kwargs) - {'return_probs'})}")
+        return_probs = bool(kwargs.get("return_probs", False))
 
         hiddens = []  # each layer's input: the next memory
         if c.attn_type == "alrfou":
@@ -271,7 +274,7 @@ class TransformerXL(nn.Module):
             hiddens.append(h)
             h, layer_extras = layer(
                 h, None if mems is None else mems[n], mask, pos, u, v, cache=step,
-                weights=None if weights is None else weights[n], **kwargs,
+                weights=None if weights is None else weights[n], return_probs=return_probs,
             )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
