@@ -67,7 +67,9 @@ def test_fused_scores_equal_reference(float64, per_row, with_position):
     inputs = [q, k, u] + ([rk, v] if with_position else [])
 
     bias, fresh = attn._bias(q, rk, mask, v.unsqueeze(1), None)  # v as [H, 1, Dh]
-    got = attn._scores(q + u[:, None, :], k, bias, fresh)
+    got = attn._scores(q + u[:, None, :], k, bias, fresh)  # [B H, L, K]
+    assert got.shape == (b * h, qlen, klen)
+    got = got.view(b, h, qlen, klen)
     want = reference_scores(attn, q, k, rk, mask, u, v)
     assert got.shape == (b, h, qlen, klen)
     assert torch.equal(torch.isinf(got), ~mask.expand_as(got))

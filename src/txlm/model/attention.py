@@ -209,12 +209,12 @@ class RelativeAttention(nn.Module):
     def _scores(
         self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool, rows: bool = False
     ) -> Tensor:
-        """Scaled scores [B, H, L, K] = scale * qc . k + bias, in one pass over the
+        """Scaled scores [B H, L, K] = scale * qc . k + bias, in one pass over the
         [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
         onto the bias (baddbmm, beta = 1, alpha = scale). In place when the bias is ``fresh``
         (a sum nothing else references) and not a view autograd would have to copy for it.
         ``rows``: one query of one row, traced (``matmul``): the product as a reduction with
-        the bias added, which the compiler fuses into one loop."""
+        the bias added, which the compiler fuses into one loop; those stay [B, H, 1, K]."""
         if rows:
             scores = matmul(qc, k.transpose(-1, -2), True) * self.scale
             return scores if bias is None else scores + bias
@@ -224,7 +224,7 @@ class RelativeAttention(nn.Module):
         qc = qc.reshape(n, qlen, d_head)
         kt = k.transpose(-1, -2).reshape(n, d_head, klen)
         if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
-            return torch.bmm(qc, kt).mul_(self.scale).view(batch, heads, qlen, klen)
+            return torch.bmm(qc, kt).mul_(self.scale)
         if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
@@ -233,7 +233,7 @@ class RelativeAttention(nn.Module):
         else:
             bias = bias.expand(batch, heads, qlen, klen).reshape(n, qlen, klen)
             scores = torch.baddbmm(bias, qc, kt, alpha=self.scale)
-        return scores.view(batch, heads, qlen, klen)
+        return scores
 
     def _bias(
         self,
@@ -373,17 +373,23 @@ class RelativeAttention(nn.Module):
             else:  # half precision is normalised in float32
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(val.dtype)
             if return_probs:
-                extras = {"probs": probs}
+                extras = {"probs": probs.view(*q.shape[:3], -1)}
             if self.training:
                 probs = dropout(probs, self.dropatt, True)
-            attn = matmul(probs, val, rows)
+            if rows:
+                attn = matmul(probs, val, True)
+            else:  # on [B H, L, K] as _scores lays them out: one bmm, no 4-D matmul's reshapes
+                attn = torch.bmm(probs, val.flatten(0, 1)).view(q.shape)
 
         # functional calls: the same as the modules', without a module call per use
-        attn = attn.transpose(1, 2).flatten(2)
+        attn = attn.transpose(1, 2)  # [B, L, H, Dh]
         if w is None:
-            out = F.linear(attn, self.out.weight)
-        else:
-            out = matmul(_as(attn, w.out_t.dtype), w.out_t, rows)
+            out = F.linear(attn.flatten(2), self.out.weight)
+        elif rows:
+            out = matmul(_as(attn.flatten(2), w.out_t.dtype), w.out_t, True)
+        else:  # a decoder's weights: one 2-D product on the B L rows (no 3-D matmul's reshapes)
+            out = torch.mm(_as(attn.reshape(-1, w.out_t.size(0)), w.out_t.dtype), w.out_t)
+            out = out.view(h.shape)
         if self.training:
             out = dropout(out, self.drop.p, True)
         return h + out if self.pre_lnorm else layer_norm(norm, h + out), extras
@@ -418,12 +424,15 @@ class RelativeAttention(nn.Module):
         Over a cache the keys and values are its slots, this segment's written into them.
         """
         inner = self.n_head * self.d_head
+        batch, qlen = x.shape[:2]
         if w is None:
             qkv = F.linear(x, self.qkv.weight)
-        else:
-            qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, rows)
+        elif rows:
+            qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, True)
+        else:  # one 2-D product on the B L rows (no 3-D matmul's reshapes)
+            rows_in = _as(x.reshape(batch * qlen, -1), w.qkv_t.dtype)
+            qkv = torch.mm(rows_in, w.qkv_t).view(batch, qlen, -1)
         if cache is not None:  # [B, L, 3I] -> [3, B, H, L, Dh]: one write for k and v
-            batch, qlen = qkv.shape[:2]
             qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
             k, val = cache.write(self.layer, qkv[1:])
             return _as(qkv[0], k.dtype), k, val  # attention runs in the cache's dtype
