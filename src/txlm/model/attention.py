@@ -275,9 +275,11 @@ class RelativeAttention(nn.Module):
             # inference: a fresh [B, H, L, S] bias that _scores merges (B, H) of
             batch, heads, qlen, d_head = qp.shape
             qp = qp.transpose(0, 1).reshape(heads, batch * qlen, d_head)
-            pairs = torch.bmm(qp, rk.transpose(1, 2)).view(heads, batch, qlen, -1).transpose(0, 1)
+            pairs = torch.bmm(qp, rk.transpose(1, 2))  # [H, B L, S or W]
+            if batch > 1:  # one row's [H, L, ·] is the [B H, L, ·] _scores takes already
+                pairs = pairs.view(heads, batch, qlen, -1).transpose(0, 1)
             if cache.index is not None:  # per distance -> per slot
-                pairs = pairs.gather(-1, cache.index.expand(batch, heads, -1, -1))
+                pairs = pairs.gather(-1, cache.index.expand(*pairs.shape[:-2], -1, -1))
             return (pairs if mask_bias is None else pairs + mask_bias), True
         if mask_bias is None or mask_bias.dim() == 2:  # merging (B, H) is a view
             batch, heads, qlen, klen = pairs.shape
