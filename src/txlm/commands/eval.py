@@ -96,6 +96,10 @@ def run(args: argparse.Namespace) -> int:
 
     ckpt = checkpoint.resolve(args.checkpoint)
     saved = checkpoint.read_config(ckpt)
+    if saved.get("task") == "classify":  # accuracy, per-class scores: eval_classifier
+        from txlm.commands import eval_classifier
+
+        return eval_classifier.run(args, saved)
     train = saved.get("train") or {}
     data = train.get("data") or {}
     defaults = train.get("eval") or {}

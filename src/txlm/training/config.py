@@ -102,13 +102,26 @@ class RunConfig:
 
 
 @dataclass
+class ClassifyConfig:
+    """``task: classify`` (txlm.training.classify_task, txlm.classifier)."""
+
+    pooling: Literal["mean", "last"] = "mean"  # how the head pools the final-layer states
+    grad_segments: int = 1  # the last k segments of a document keep their graph (0: all)
+    # the seeded, stratified split of a classes:DIR without train/valid/test folders
+    valid_fraction: float = 0.1
+    test_fraction: float = 0.1
+
+
+@dataclass
 class TrainConfig:
     preset: str = DEFAULT_PRESET
+    task: Literal["lm", "classify"] = "lm"  # a language model, or a document classifier
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields but vocab_size
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    classify: ClassifyConfig = field(default_factory=ClassifyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -119,7 +132,8 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         config = cls(preset=data.get("preset", DEFAULT_PRESET))
-        _merge(config, data, "")
+        config.task = _coerce("task", typing.get_type_hints(cls)["task"], data.get("task", "lm"))
+        _merge(config, {k: v for k, v in data.items() if k != "task"}, "")
         config.validate()
         return config
 
@@ -178,6 +192,13 @@ class TrainConfig:
             r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
             f"run.device must be auto, cpu or cuda[:N], got {r.device!r}",
         )
+        k = self.classify
+        check(k.grad_segments >= 0, f"classify.grad_segments must be >= 0, got {k.grad_segments}")
+        check(
+            k.valid_fraction >= 0 and k.test_fraction >= 0
+            and k.valid_fraction + k.test_fraction < 1,
+            "classify.valid_fraction and test_fraction must be >= 0 with a sum below 1",
+        )  # fmt: skip
         # The model keys: validated by building the config with a stand-in vocabulary.
         if "vocab_size" in self.model:
             raise ConfigError("model.vocab_size comes from the data's vocabulary; do not set it")
@@ -285,7 +306,7 @@ def resolve(
 
 
 # -- typed merging ----------------------------------------------------------------------
-_SECTIONS = ("model", "data", "optim", "eval", "run")
+_SECTIONS = ("model", "data", "optim", "eval", "run", "classify")
 
 
 def _merge(config: TrainConfig, data: dict[str, Any], prefix: str) -> None:
