@@ -283,3 +283,46 @@ def vocab_fingerprint(directory: str | Path) -> str | None:
     if recorded is not None or not (directory / VOCAB_FILE).is_file():
         return recorded
     return load_vocab(directory).fingerprint
+
+
+class Checkpoint:
+    """A checkpoint directory opened once: ``Checkpoint.open(path)`` resolves ``NAME`` or
+    ``NAME.old`` and parses config.json (``CheckpointError`` when it is not a txlm one)."""
+
+    def __init__(self, path: Path, data: dict[str, Any]) -> None:
+        self.path, self.data = path, data
+        try:
+            self.model_config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise CheckpointError(f"{path / CONFIG_FILE}: {exc}") from None
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        directory = resolve(path)
+        return cls(directory, read_config(directory))
+
+    @property
+    def train_config(self) -> dict[str, Any] | None:
+        train = self.data.get("train")
+        return train if isinstance(train, dict) else None
+
+    @property
+    def has_vocab(self) -> bool:
+        return (self.path / VOCAB_FILE).is_file()
+
+    def vocab(self) -> Vocab:
+        return load_vocab(self.path)
+
+    def load_model(
+        self, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
+    ) -> TransformerXL:
+        return load(self.path, device=device, align_heads=align_heads)
+
+    def weights_sha256(self) -> str:
+        import hashlib
+
+        digest = hashlib.sha256()
+        with open(self.path / WEIGHTS_FILE, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
