@@ -45,6 +45,7 @@ import os
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,8 @@ class Trainer:
         )
         self.time_up = False
         self.compile_seconds = 0.0
+        self._session = _Session()
+        self._pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
 
@@ -331,7 +334,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         c = self.config
-        r, o, e = c.run, c.optim, c.eval
+        r, o = c.run, c.optim
         if self.dist.is_main:
             # Find an unwritable --out or a full disk now, not at the first save after
             # minutes of training. An atomic save holds the old and new `last` at once: 2x.
@@ -340,16 +343,7 @@ class Trainer:
             )
         log = MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
         log.truncate_after(self.step)
-        if self.echo:
-            n_params = self.model.num_parameters()
-            print(
-                f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
-                f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
-                f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
-            )
-            print("resolved configuration:\n" + _indent(c.to_yaml()))
-            if self.step:
-                print(f"resumed at step {self.step}")
+        self._announce()
         stop_at = min(o.max_steps, r.stop_at) if r.stop_at else o.max_steps
         report = ProgressReport(
             enabled=self.dist.is_main and r.progress,
@@ -364,92 +358,120 @@ class Trainer:
             to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
             log_interval=r.log_interval, stop_at=stop_at,
         )  # fmt: skip
-        budget = r.time_budget_s
         self.signals.install()
-        stopped_by, late = 0, False
-        pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
-        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
-        session = [0, 0.0]  # steps and seconds of training in this process
-
-        def settle() -> None:
-            """Read and log the step whose numbers the host has not read yet."""
-            nonlocal pending
-            if pending is not None:
-                stats, seconds = pending
-                pending = None
-                values = self.account(stats)
-                budget_left = None if budget is None else budget - self.train_seconds
-                train_log.step(
-                    stats.step, values, seconds, tokens_seen=self.tokens_seen,
-                    train_seconds=self.train_seconds,
-                    eta_s=eta(stop_at - self.step, *session, budget_left),
-                )  # fmt: skip
-
-        try:
-            while self.step < stop_at:
-                graphs = graphs_compiled() if self.compiled else 0
-                t0 = time.perf_counter()
-                stats = self.train_step()
-                # The previous step's numbers, read now that this step is queued behind it;
-                # on a GPU the wait for them is this step's time in the steady state.
-                settle()
-                dt = time.perf_counter() - t0
-                atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
-                if self.compiled and graphs_compiled() > graphs:
-                    # A step that built a graph: compiling, not training, so it counts
-                    # against neither the time budget nor tokens/s.
-                    self.compile_seconds += dt
-                    dt = 0.0
-                else:
-                    self.counters.train_seconds += dt
-                    session[0] += 1
-                    session[1] += dt
-                pending = (stats, dt)
-                if not self.dist.enabled:
-                    stopped_by, late = self._stop_votes()
-                else:  # this step's votes queued, the previous step's read
-                    previous, stop_flags = stop_flags, self._stop_flags()
-                    if previous is not None:
-                        received, late_any = previous.tolist()
-                        stopped_by, late = int(received), bool(late_any)
-                if late:
-                    settle()
-                    if self.echo:
-                        report.message(
-                            f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
-                        )
-                    self.time_up = True
-                    break
-                validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
-                save_now = r.save_interval and self.step % r.save_interval == 0
-                if stopped_by or validate_now or save_now:
-                    settle()  # checkpoints hold the counters up to this step
-                if validate_now and self.step < o.max_steps and not stopped_by:
-                    self._validate_and_save(log, report)
-                elif save_now:
-                    self.save("last")
-                if stopped_by:
-                    break
-            settle()
-            if stop_flags is not None and not stopped_by:  # votes of the last step
-                stopped_by = int(stop_flags.tolist()[0])
-        finally:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+        try:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+            stopped_by = self._train(stop_at, log, report, train_log)
+        finally:
             report.close()
             self.signals.restore()
-
         if stopped_by:
-            self.save("last")
-            if self.echo:
-                print(
-                    f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
-                    f"--resume {self.out / 'last'}"
-                )
-            log.close()
-            dist.shutdown()
-            return {"stopped": True, "step": self.step, "exit_code": 128 + stopped_by}
+            return self._pause(stopped_by, log)
+        return self._finish(log, report)
 
+    def _announce(self) -> None:
+        if not self.echo:
+            return
+        c = self.config
+        n_params = self.model.num_parameters()
+        print(
+            f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
+            f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+            f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
+        )
+        print("resolved configuration:\n" + _indent(c.to_yaml()))
+        if self.step:
+            print(f"resumed at step {self.step}")
+
+    def _train(
+        self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog
+    ) -> int:
+        """Steps until ``stop_at``, the time budget or a signal; the signal number (0: none).
+
+        A step's numbers are read once the next step is queued behind it (``_settle``); on a
+        GPU the wait for them is that step's time in the steady state.
+        """
+        e, r = self.config.eval, self.config.run
+        stopped_by, late = 0, False
+        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
+        while self.step < stop_at:
+            graphs = graphs_compiled() if self.compiled else 0
+            t0 = time.perf_counter()
+            stats = self.train_step()
+            self._settle(train_log, stop_at)
+            dt = time.perf_counter() - t0
+            atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
+            if self.compiled and graphs_compiled() > graphs:
+                # A step that built a graph: compiling, not training, so it counts against
+                # neither the time budget nor tokens/s.
+                self.compile_seconds += dt
+                dt = 0.0
+            else:
+                self.counters.train_seconds += dt
+                self._session.steps += 1
+                self._session.seconds += dt
+            self._pending = (stats, dt)
+            if not self.dist.enabled:
+                stopped_by, late = self._stop_votes()
+            else:  # this step's votes queued, the previous step's read
+                previous, stop_flags = stop_flags, self._stop_flags()
+                if previous is not None:
+                    received, late_any = previous.tolist()
+                    stopped_by, late = int(received), bool(late_any)
+            if late:
+                self._settle(train_log, stop_at)
+                if self.echo:
+                    report.message(
+                        f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
+                    )
+                self.time_up = True
+                return 0
+            validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
+            save_now = r.save_interval and self.step % r.save_interval == 0
+            if stopped_by or validate_now or save_now:
+                self._settle(train_log, stop_at)  # checkpoints hold the counters up to here
+            if stopped_by:
+                return stopped_by
+            if validate_now and self.step < self.config.optim.max_steps:
+                self._validate_and_save(log, report)
+            elif save_now:
+                self.save("last")
+        self._settle(train_log, stop_at)
+        if stop_flags is not None:  # the votes of the last step
+            stopped_by = int(stop_flags.tolist()[0])
+        return stopped_by
+
+    def _settle(self, train_log: TrainLog, stop_at: int) -> None:
+        """Read and log the step whose numbers the host has not read yet."""
+        if self._pending is None:
+            return
+        (stats, seconds), self._pending = self._pending, None
+        values = self.account(stats)
+        budget = self.config.run.time_budget_s
+        budget_left = None if budget is None else budget - self.train_seconds
+        train_log.step(
+            stats.step, values, seconds, tokens_seen=self.tokens_seen,
+            train_seconds=self.train_seconds,
+            eta_s=eta(stop_at - self.step, self._session.steps, self._session.seconds,
+                      budget_left),
+        )  # fmt: skip
+
+    def _pause(self, signal: int, log: MetricsLog) -> dict[str, Any]:
+        """A signal stopped the run: save ``last`` to resume from."""
+        self.save("last")
+        if self.echo:
+            print(
+                f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
+                f"--resume {self.out / 'last'}"
+            )
+        log.close()
+        dist.shutdown()
+        return {"stopped": True, "step": self.step, "exit_code": 128 + signal}
+
+    def _finish(self, log: MetricsLog, report: ProgressReport) -> dict[str, Any]:
+        """The last validation and checkpoints, the final evaluation, results.json."""
+        c = self.config
         summary: dict[str, Any] = {"step": self.step, "stopped": False}
-        finished = self.step >= o.max_steps or self.time_up
+        finished = self.step >= c.optim.max_steps or self.time_up
         if finished:
             self._validate_and_save(log, report)  # the final validation decides `best` too
         else:
@@ -467,7 +489,7 @@ class Trainer:
                 "or tokens/s)"
             )
         log.plot(self.out / "loss.png", self.metric)
-        if finished and e.final_eval and self.dist.is_main:
+        if finished and c.eval.final_eval and self.dist.is_main:
             final = final_evaluation(
                 self.model, self.corpus, c, self.out, self.device, echo=self.echo
             )
@@ -502,6 +524,14 @@ class Trainer:
         self.save("last")
         if improved:
             self.save("best")
+
+
+@dataclass
+class _Session:
+    """The steps and seconds of training in this process (the ETA's pace)."""
+
+    steps: int = 0
+    seconds: float = 0.0
 
 
 def _indent(text: str) -> str:
