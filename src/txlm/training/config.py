@@ -70,6 +70,10 @@ class EvalConfig:
     batch_size: int = 1  # rows of the evaluation stream (contiguous chunks of the split)
     max_eval_steps: int | None = None  # cap on segments per validation during training
     final_eval: bool = True  # evaluate `best` on valid and test at the end
+    # The final evaluation (and a fine-tuning run's init_valid) reads at most this many tokens
+    # of each split, so its cost stays bounded on a large corpus; None: whole splits. The
+    # default covers wt103's valid and test whole.
+    final_max_tokens: int | None = 1_000_000
     sample_tokens: int = 300  # generated sample at the end (0: none)
     sample_prompt: str = "ROMEO:"
     sample_top_k: int = 40
@@ -104,6 +108,9 @@ class RunConfig:
 @dataclass
 class TrainConfig:
     preset: str = DEFAULT_PRESET
+    # A checkpoint the run started from (txlm.training.init): its model section and weights,
+    # its vocabulary. None: a model built from the seed, a vocabulary built from the data.
+    init: str | None = None
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields but vocab_size
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -118,8 +125,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        config = cls(preset=data.get("preset", DEFAULT_PRESET))
-        _merge(config, data, "")
+        config = cls(preset=data.get("preset", DEFAULT_PRESET), init=data.get("init"))
+        _merge(config, {k: v for k, v in data.items() if k != "init"}, "")
         config.validate()
         return config
 
@@ -153,7 +160,7 @@ class TrainConfig:
         check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
         check(e.eval_interval >= 0, f"eval.eval_interval must be >= 0, got {e.eval_interval}")
         check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
-        for name in ("eval_tgt_len", "max_eval_steps"):
+        for name in ("eval_tgt_len", "max_eval_steps", "final_max_tokens"):
             value = getattr(e, name)
             check(value is None or value >= 1, f"eval.{name} must be >= 1, got {value}")
         check(
@@ -260,10 +267,14 @@ def resolve(
     config_files: list[str] | None = None,
     sets: list[str] | None = None,
     base: TrainConfig | None = None,
+    init: Any = None,
 ) -> TrainConfig:
     """Compose preset -> YAML files -> --set overrides into a validated TrainConfig.
 
     ``base`` (a checkpoint's saved config, for --resume) replaces the preset layer.
+    ``init`` (a ``txlm.checkpoint.Checkpoint``, for --init) gives the model section: the
+    files and --set may change only what ``txlm.training.init.TUNABLE_MODEL_KEYS`` names,
+    and the evaluation lengths default to the model's, not the preset's.
     """
     files = [load_yaml(f) for f in config_files or []]
     if base is not None:
@@ -274,12 +285,20 @@ def resolve(
             if name is None and isinstance(data.get("preset"), str):
                 name = data["preset"]
         config = preset_config(name or DEFAULT_PRESET)
+    if init is not None:
+        config.model = {}  # from here on: the run's own model settings
+        e = config.eval
+        e.eval_tgt_len = e.eval_mem_len = e.eval_clamp_len = e.same_length = None
     for data in files:
         data = {k: v for k, v in data.items() if k != "preset"}
         _merge(config, data, "")
     for item in sets or []:
         key, value = parse_set(item)
         apply_set(config, key, value)
+    if init is not None:
+        from txlm.training.init import init_from
+
+        return init_from(init, config)
     config.validate()
     return config
 

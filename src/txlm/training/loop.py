@@ -55,15 +55,22 @@ from torch import Tensor
 
 from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
+from txlm.checkpoint import Checkpoint
 from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
-from txlm.training.build import build_optimizer, open_training_corpus, training_stream
+from txlm.training.build import (
+    build_optimizer,
+    open_training_corpus,
+    training_stream,
+    unknown_shares,
+)
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
+from txlm.training.init import init_record, load_init_weights, open_init, text_options
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -89,6 +96,9 @@ class Trainer:
     """``Trainer(config, out_dir).fit()`` trains, validates, checkpoints and evaluates.
 
     ``resume``: a ``last`` checkpoint directory to continue from (exactly).
+    ``config.init`` (``txlm.training.init``): the run starts from that checkpoint's weights,
+    its corpus encoded with the checkpoint's vocabulary; before the first step the model is
+    evaluated on the valid split (``init_valid``).
     """
 
     def __init__(
@@ -120,8 +130,27 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        self.corpus = open_training_corpus(config, self.dist, echo=self.echo)
+        # A run started from a checkpoint: its record (path, weights' sha256, text options,
+        # init_valid once measured) travels in every checkpoint's config.json, so a resumed
+        # run reads it, and the vocabulary, from the checkpoint it resumes.
+        self.init: dict[str, Any] | None = None
+        init_ckpt = None
+        given_vocab = None
+        if config.init is not None:
+            if resume is not None:
+                resumed = Checkpoint.open(resume)
+                self.init = dict(resumed.data.get("init") or {})
+                given_vocab = resumed.vocab()
+            else:
+                init_ckpt = open_init(config.init)
+                self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
+                given_vocab = init_ckpt.vocab()
+        self.corpus = open_training_corpus(
+            config, self.dist, echo=self.echo, vocab=given_vocab,
+            lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
+        )  # fmt: skip
         self.vocab = self.corpus.vocab
+        self.unknown = unknown_shares(self.corpus) if self.init is not None else None
         self.metric = self.corpus.metric
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
         self.stream = training_stream(
@@ -135,7 +164,10 @@ class Trainer:
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
-        self.model = TransformerXL(self.model_config).to(self.device)
+        self.model = TransformerXL(self.model_config)
+        if init_ckpt is not None:
+            load_init_weights(self.model, init_ckpt)
+        self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
             align.pad_model(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
@@ -174,6 +206,7 @@ class Trainer:
                     "level": self.corpus.level,
                     "metric": self.metric,
                 },
+                **({} if self.init is None else {"init": self.init}),
             },
             dist_info=self.dist,
             device=self.device,
@@ -344,6 +377,7 @@ class Trainer:
         log = MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
         log.truncate_after(self.step)
         self._announce()
+        self._evaluate_init(log)
         stop_at = min(o.max_steps, r.stop_at) if r.stop_at else o.max_steps
         report = ProgressReport(
             enabled=self.dist.is_main and r.progress,
@@ -379,8 +413,43 @@ class Trainer:
             f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
         )
         print("resolved configuration:\n" + _indent(c.to_yaml()))
+        if self.init is not None:
+            print(
+                f"started from {self.init['path']} (weights sha256 {self.init['weights_sha256']})"
+            )
+        if self.unknown is not None:
+            shares = ", ".join(f"{k} {v:.2%}" for k, v in self.unknown.items())
+            print(f"unknown symbols ({self.vocab.unk}) in the corpus: {shares}")
         if self.step:
             print(f"resumed at step {self.step}")
+
+    def _evaluate_init(self, log: MetricsLog) -> None:
+        """The init model on the valid split, measured as the final ``valid`` is (before the
+        first step: the before of a before and after)."""
+        if self.init is None or "valid" in self.init or self.step:
+            return
+        result = None
+        if self.dist.is_main:
+            result = evaluate_split(
+                self.model, self.corpus, self.config, "valid", full=True,
+                echo=self.echo, desc="init valid",
+            )  # fmt: skip
+        result = dist.broadcast_object(result)
+        self.init["valid"] = result
+        log.write(
+            {
+                "split": "init_valid",
+                "step": 0,
+                "loss": result["loss"],
+                self.metric: result[self.metric],
+                "tokens": result["tokens"],
+            }
+        )
+        if self.echo:
+            print(
+                f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                f"{result[self.metric]:.4f} over {result['tokens']} tokens"
+            )
 
     def _train(
         self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog
@@ -483,6 +552,11 @@ class Trainer:
             train_tokens_per_s=self.tokens_seen / max(self.train_seconds, 1e-9),
             best_valid_loss=self.best_valid,
         )
+        if self.init is not None:
+            summary["init"] = {k: v for k, v in self.init.items() if k != "valid"}
+            summary["init_valid"] = self.init.get("valid")
+        if self.unknown is not None:
+            summary["unknown_share"] = self.unknown
         if self.compiled and self.echo:
             print(
                 f"compiling took {self.compile_seconds:.1f}s (not counted in the time budget "
