@@ -96,9 +96,11 @@ class RunConfig:
     log_interval: int = 10  # steps between metric records
     save_interval: int = 0  # also save `last` every N steps (0: at validations and the end)
     stop_at: int | None = None  # stop (resumably) after this step, schedule unchanged
-    # Wall-clock cap on training (seconds of train steps, validation excluded): the schedule
-    # runs on max(step / max_steps, time / budget), so a slow machine still gets a complete
-    # cosine decay, and training ends when either runs out. Makes a run machine-dependent.
+    # Wall-clock cap on the training of one invocation (seconds of train steps, validation
+    # excluded; a --resume gets it whole again): the schedule runs on the larger of the step
+    # and the spent fraction of the budget (from where it stood when the invocation began),
+    # so a slow machine still gets a complete cosine decay, and training ends when either
+    # runs out. Makes a run machine-dependent.
     time_budget_s: float | None = None
     progress: bool = True  # a bar on a terminal; else a plain line every progress_interval
     progress_interval: int = 100  # steps between plain progress lines (stderr not a terminal)

@@ -183,6 +183,7 @@ class Trainer:
         self.time_up = False
         self.compile_seconds = 0.0
         self._session = _Session()
+        self._schedule_start = 0.0  # the schedule's step when this invocation began
         self._pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
@@ -265,14 +266,18 @@ class Trainer:
             return next(self._batches)
 
     def schedule_step(self) -> float:
-        """The step the schedule is at: the step count, or further on if time runs short."""
+        """The step the schedule is at: the step count, or further on if time runs short.
+
+        Under ``run.time_budget_s`` (seconds of training in this invocation) the schedule
+        covers what is left of it, from where it stood when this invocation began, to
+        ``optim.max_steps`` in the budget: a resumed run picks the schedule up where it was.
+        """
         budget = self.config.run.time_budget_s
         if budget is None:
             return self.counters.step
-        return max(
-            self.counters.step,
-            self.config.optim.max_steps * self.counters.train_seconds / budget,
-        )
+        start = self._schedule_start
+        left = self.config.optim.max_steps - start
+        return max(self.counters.step, start + left * self._session.seconds / budget)
 
     def train_step(self) -> StepStats:
         """One optimisation step, queued on the device: no value is read back to the host
@@ -285,7 +290,8 @@ class Trainer:
         batch = self._next_batch()
         if batch.index == 0:
             self.memory.clear()  # an epoch starts every row afresh
-        lr = learning_rate(self.schedule_step(), c.optim)
+        self.counters.schedule_step = self.schedule_step()
+        lr = learning_rate(self.counters.schedule_step, c.optim)
         labels = self.objective(batch.labels)
         n_global, scale = token_scale(labels, self.device, self.dist.world_size)
         loss_sum, parts = forward_backward(
@@ -329,9 +335,10 @@ class Trainer:
         return values
 
     def _stop_votes(self) -> tuple[int, bool]:
-        """(signal received, time budget spent on rank 0), as this process sees them."""
+        """(signal received, this invocation's time budget spent on rank 0), as this
+        process sees them."""
         budget = self.config.run.time_budget_s
-        late = self.dist.is_main and budget is not None and self.train_seconds >= budget
+        late = self.dist.is_main and budget is not None and self._session.seconds >= budget
         return self.signals.received, late
 
     def _stop_flags(self) -> Tensor:
@@ -460,6 +467,8 @@ class Trainer:
         GPU the wait for them is that step's time in the steady state.
         """
         e, r = self.config.eval, self.config.run
+        self._session = _Session()
+        self._schedule_start = self.counters.schedule_step
         stopped_by, late = 0, False
         stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
         while self.step < stop_at:
@@ -516,7 +525,7 @@ class Trainer:
         (stats, seconds), self._pending = self._pending, None
         values = self.account(stats)
         budget = self.config.run.time_budget_s
-        budget_left = None if budget is None else budget - self.train_seconds
+        budget_left = None if budget is None else budget - self._session.seconds
         train_log.step(
             stats.step, values, seconds, tokens_seen=self.tokens_seen,
             train_seconds=self.train_seconds,
