@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -250,13 +250,23 @@ def training_needs(
 
 def check_training(c: ModelConfig, device: torch.device, train: Any, world_size: int) -> None:
     """Refuse a training configuration (``TrainConfig`` ``train``, model ``c``) whose step
-    cannot fit on ``device``, each of ``world_size`` ranks holding its share of the rows."""
+    cannot fit on ``device``, each of ``world_size`` ranks holding its share of the rows.
+    A run started from a checkpoint (``train.init``) holds its weights a second time while
+    they are copied in, and cannot shrink the model: its weights fix the sizes."""
     needs = training_needs(
         c,
         rows=max(train.data.batch_size // world_size, 1),
         chunks=train.optim.grad_accum,
         precision=train.run.precision,
     )
+    if getattr(train, "init", None) is not None:
+        fixed = "a smaller --init checkpoint (its weights fix the model's size)"
+        needs = [
+            replace(n, lower=fixed) if n.lower.startswith("model.d_model") else n for n in needs
+        ]
+        needs.append(
+            Need("the --init checkpoint's weights, copied in", 4 * parameter_count(c), fixed)
+        )
     check(needs, device, doing="training")
 
 

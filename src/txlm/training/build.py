@@ -13,22 +13,45 @@ from torch import nn
 from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.data import PreparedCorpus, SentenceStreamIterator, StreamIterator, open_corpus
+from txlm.data.vocab import Vocab
 from txlm.training.config import TrainConfig
 
 
 def open_training_corpus(
-    config: TrainConfig, dist_info: dist.DistInfo, *, echo: bool
+    config: TrainConfig,
+    dist_info: dist.DistInfo,
+    *,
+    echo: bool,
+    vocab: Vocab | None = None,
+    lower_case: bool = False,
 ) -> PreparedCorpus:
-    """Rank 0 prepares the corpus (download, tokenise); the others then read the folder."""
+    """Rank 0 prepares the corpus (download, tokenise); the others then read the folder.
+
+    ``vocab``: encode it with this vocabulary (a run started from a checkpoint), not one
+    built from its train split; ``lower_case``: lower-case the text first.
+    """
     d = config.data
     corpus = None
+    given = {"vocab": vocab, "lower_case": lower_case, "level": None if vocab else d.level}
     if dist_info.is_main:
         progress = echo and config.run.progress and sys.stderr.isatty()
-        corpus = open_corpus(d.dataset, d.data_dir, level=d.level, progress=progress)
+        corpus = open_corpus(d.dataset, d.data_dir, progress=progress, **given)
     dist.barrier()
     if corpus is None:
-        corpus = open_corpus(d.dataset, d.data_dir, level=d.level)
+        corpus = open_corpus(d.dataset, d.data_dir, **given)
     return corpus
+
+
+def unknown_shares(corpus: PreparedCorpus) -> dict[str, float] | None:
+    """Each split's share of tokens that are the unknown symbol (None: the vocabulary has
+    none, so no token is unknown)."""
+    if corpus.vocab.unk_id is None:
+        return None
+    shares = {}
+    for split in ("train", "valid", "test"):
+        unk = corpus.unk_tokens(split) or 0
+        shares[split] = unk / max(int(corpus.meta["splits"][split]["tokens"]), 1)
+    return shares
 
 
 def training_stream(

@@ -45,6 +45,7 @@ import os
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +55,22 @@ from torch import Tensor
 
 from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
+from txlm.checkpoint import Checkpoint
 from txlm.config import ModelConfig
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
-from txlm.training.build import build_optimizer, open_training_corpus, training_stream
+from txlm.training.build import (
+    build_optimizer,
+    open_training_corpus,
+    training_stream,
+    unknown_shares,
+)
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
+from txlm.training.init import init_record, load_init_weights, open_init, text_options
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -88,6 +96,9 @@ class Trainer:
     """``Trainer(config, out_dir).fit()`` trains, validates, checkpoints and evaluates.
 
     ``resume``: a ``last`` checkpoint directory to continue from (exactly).
+    ``config.init`` (``txlm.training.init``): the run starts from that checkpoint's weights,
+    its corpus encoded with the checkpoint's vocabulary; before the first step the model is
+    evaluated on the valid split (``init_valid``).
     """
 
     def __init__(
@@ -119,8 +130,27 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        self.corpus = open_training_corpus(config, self.dist, echo=self.echo)
+        # A run started from a checkpoint: its record (path, weights' sha256, text options,
+        # init_valid once measured) travels in every checkpoint's config.json, so a resumed
+        # run reads it, and the vocabulary, from the checkpoint it resumes.
+        self.init: dict[str, Any] | None = None
+        init_ckpt = None
+        given_vocab = None
+        if config.init is not None:
+            if resume is not None:
+                resumed = Checkpoint.open(resume)
+                self.init = dict(resumed.data.get("init") or {})
+                given_vocab = resumed.vocab()
+            else:
+                init_ckpt = open_init(config.init)
+                self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
+                given_vocab = init_ckpt.vocab()
+        self.corpus = open_training_corpus(
+            config, self.dist, echo=self.echo, vocab=given_vocab,
+            lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
+        )  # fmt: skip
         self.vocab = self.corpus.vocab
+        self.unknown = unknown_shares(self.corpus) if self.init is not None else None
         self.metric = self.corpus.metric
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
         self.stream = training_stream(
@@ -134,7 +164,10 @@ class Trainer:
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
-        self.model = TransformerXL(self.model_config).to(self.device)
+        self.model = TransformerXL(self.model_config)
+        if init_ckpt is not None:
+            load_init_weights(self.model, init_ckpt)
+        self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
             align.pad_model(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
@@ -149,6 +182,9 @@ class Trainer:
         )
         self.time_up = False
         self.compile_seconds = 0.0
+        self._session = _Session()
+        self._schedule_start = 0.0  # the schedule's step when this invocation began
+        self._pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
 
@@ -171,6 +207,7 @@ class Trainer:
                     "level": self.corpus.level,
                     "metric": self.metric,
                 },
+                **({} if self.init is None else {"init": self.init}),
             },
             dist_info=self.dist,
             device=self.device,
@@ -229,14 +266,18 @@ class Trainer:
             return next(self._batches)
 
     def schedule_step(self) -> float:
-        """The step the schedule is at: the step count, or further on if time runs short."""
+        """The step the schedule is at: the step count, or further on if time runs short.
+
+        Under ``run.time_budget_s`` (seconds of training in this invocation) the schedule
+        covers what is left of it, from where it stood when this invocation began, to
+        ``optim.max_steps`` in the budget: a resumed run picks the schedule up where it was.
+        """
         budget = self.config.run.time_budget_s
         if budget is None:
             return self.counters.step
-        return max(
-            self.counters.step,
-            self.config.optim.max_steps * self.counters.train_seconds / budget,
-        )
+        start = self._schedule_start
+        left = self.config.optim.max_steps - start
+        return max(self.counters.step, start + left * self._session.seconds / budget)
 
     def train_step(self) -> StepStats:
         """One optimisation step, queued on the device: no value is read back to the host
@@ -249,7 +290,8 @@ class Trainer:
         batch = self._next_batch()
         if batch.index == 0:
             self.memory.clear()  # an epoch starts every row afresh
-        lr = learning_rate(self.schedule_step(), c.optim)
+        self.counters.schedule_step = self.schedule_step()
+        lr = learning_rate(self.counters.schedule_step, c.optim)
         labels = self.objective(batch.labels)
         n_global, scale = token_scale(labels, self.device, self.dist.world_size)
         loss_sum, parts = forward_backward(
@@ -293,9 +335,10 @@ class Trainer:
         return values
 
     def _stop_votes(self) -> tuple[int, bool]:
-        """(signal received, time budget spent on rank 0), as this process sees them."""
+        """(signal received, this invocation's time budget spent on rank 0), as this
+        process sees them."""
         budget = self.config.run.time_budget_s
-        late = self.dist.is_main and budget is not None and self.train_seconds >= budget
+        late = self.dist.is_main and budget is not None and self._session.seconds >= budget
         return self.signals.received, late
 
     def _stop_flags(self) -> Tensor:
@@ -331,7 +374,7 @@ class Trainer:
 
     def _fit(self) -> dict[str, Any]:
         c = self.config
-        r, o, e = c.run, c.optim, c.eval
+        r, o = c.run, c.optim
         if self.dist.is_main:
             # Find an unwritable --out or a full disk now, not at the first save after
             # minutes of training. An atomic save holds the old and new `last` at once: 2x.
@@ -340,16 +383,8 @@ class Trainer:
             )
         log = MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
         log.truncate_after(self.step)
-        if self.echo:
-            n_params = self.model.num_parameters()
-            print(
-                f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
-                f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
-                f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
-            )
-            print("resolved configuration:\n" + _indent(c.to_yaml()))
-            if self.step:
-                print(f"resumed at step {self.step}")
+        self._announce()
+        self._evaluate_init(log)
         stop_at = min(o.max_steps, r.stop_at) if r.stop_at else o.max_steps
         report = ProgressReport(
             enabled=self.dist.is_main and r.progress,
@@ -364,92 +399,157 @@ class Trainer:
             to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
             log_interval=r.log_interval, stop_at=stop_at,
         )  # fmt: skip
-        budget = r.time_budget_s
         self.signals.install()
-        stopped_by, late = 0, False
-        pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
-        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
-        session = [0, 0.0]  # steps and seconds of training in this process
-
-        def settle() -> None:
-            """Read and log the step whose numbers the host has not read yet."""
-            nonlocal pending
-            if pending is not None:
-                stats, seconds = pending
-                pending = None
-                values = self.account(stats)
-                budget_left = None if budget is None else budget - self.train_seconds
-                train_log.step(
-                    stats.step, values, seconds, tokens_seen=self.tokens_seen,
-                    train_seconds=self.train_seconds,
-                    eta_s=eta(stop_at - self.step, *session, budget_left),
-                )  # fmt: skip
-
-        try:
-            while self.step < stop_at:
-                graphs = graphs_compiled() if self.compiled else 0
-                t0 = time.perf_counter()
-                stats = self.train_step()
-                # The previous step's numbers, read now that this step is queued behind it;
-                # on a GPU the wait for them is this step's time in the steady state.
-                settle()
-                dt = time.perf_counter() - t0
-                atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
-                if self.compiled and graphs_compiled() > graphs:
-                    # A step that built a graph: compiling, not training, so it counts
-                    # against neither the time budget nor tokens/s.
-                    self.compile_seconds += dt
-                    dt = 0.0
-                else:
-                    self.counters.train_seconds += dt
-                    session[0] += 1
-                    session[1] += dt
-                pending = (stats, dt)
-                if not self.dist.enabled:
-                    stopped_by, late = self._stop_votes()
-                else:  # this step's votes queued, the previous step's read
-                    previous, stop_flags = stop_flags, self._stop_flags()
-                    if previous is not None:
-                        received, late_any = previous.tolist()
-                        stopped_by, late = int(received), bool(late_any)
-                if late:
-                    settle()
-                    if self.echo:
-                        report.message(
-                            f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
-                        )
-                    self.time_up = True
-                    break
-                validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
-                save_now = r.save_interval and self.step % r.save_interval == 0
-                if stopped_by or validate_now or save_now:
-                    settle()  # checkpoints hold the counters up to this step
-                if validate_now and self.step < o.max_steps and not stopped_by:
-                    self._validate_and_save(log, report)
-                elif save_now:
-                    self.save("last")
-                if stopped_by:
-                    break
-            settle()
-            if stop_flags is not None and not stopped_by:  # votes of the last step
-                stopped_by = int(stop_flags.tolist()[0])
-        finally:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+        try:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+            stopped_by = self._train(stop_at, log, report, train_log)
+        finally:
             report.close()
             self.signals.restore()
-
         if stopped_by:
-            self.save("last")
-            if self.echo:
-                print(
-                    f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
-                    f"--resume {self.out / 'last'}"
-                )
-            log.close()
-            dist.shutdown()
-            return {"stopped": True, "step": self.step, "exit_code": 128 + stopped_by}
+            return self._pause(stopped_by, log)
+        return self._finish(log, report)
 
+    def _announce(self) -> None:
+        if not self.echo:
+            return
+        c = self.config
+        n_params = self.model.num_parameters()
+        print(
+            f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
+            f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+            f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
+        )
+        print("resolved configuration:\n" + _indent(c.to_yaml()))
+        if self.init is not None:
+            print(
+                f"started from {self.init['path']} (weights sha256 {self.init['weights_sha256']})"
+            )
+        if self.unknown is not None:
+            shares = ", ".join(f"{k} {v:.2%}" for k, v in self.unknown.items())
+            print(f"unknown symbols ({self.vocab.unk}) in the corpus: {shares}")
+        if self.step:
+            print(f"resumed at step {self.step}")
+
+    def _evaluate_init(self, log: MetricsLog) -> None:
+        """The init model on the valid split, measured as the final ``valid`` is (before the
+        first step: the before of a before and after)."""
+        if self.init is None or "valid" in self.init or self.step:
+            return
+        result = None
+        if self.dist.is_main:
+            result = evaluate_split(
+                self.model, self.corpus, self.config, "valid", full=True,
+                echo=self.echo, desc="init valid",
+            )  # fmt: skip
+        result = dist.broadcast_object(result)
+        self.init["valid"] = result
+        log.write(
+            {
+                "split": "init_valid",
+                "step": 0,
+                "loss": result["loss"],
+                self.metric: result[self.metric],
+                "tokens": result["tokens"],
+            }
+        )
+        if self.echo:
+            print(
+                f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                f"{result[self.metric]:.4f} over {result['tokens']} tokens"
+            )
+
+    def _train(
+        self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog
+    ) -> int:
+        """Steps until ``stop_at``, the time budget or a signal; the signal number (0: none).
+
+        A step's numbers are read once the next step is queued behind it (``_settle``); on a
+        GPU the wait for them is that step's time in the steady state.
+        """
+        e, r = self.config.eval, self.config.run
+        self._session = _Session()
+        self._schedule_start = self.counters.schedule_step
+        stopped_by, late = 0, False
+        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
+        while self.step < stop_at:
+            graphs = graphs_compiled() if self.compiled else 0
+            t0 = time.perf_counter()
+            stats = self.train_step()
+            self._settle(train_log, stop_at)
+            dt = time.perf_counter() - t0
+            atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
+            if self.compiled and graphs_compiled() > graphs:
+                # A step that built a graph: compiling, not training, so it counts against
+                # neither the time budget nor tokens/s.
+                self.compile_seconds += dt
+                dt = 0.0
+            else:
+                self.counters.train_seconds += dt
+                self._session.steps += 1
+                self._session.seconds += dt
+            self._pending = (stats, dt)
+            if not self.dist.enabled:
+                stopped_by, late = self._stop_votes()
+            else:  # this step's votes queued, the previous step's read
+                previous, stop_flags = stop_flags, self._stop_flags()
+                if previous is not None:
+                    received, late_any = previous.tolist()
+                    stopped_by, late = int(received), bool(late_any)
+            if late:
+                self._settle(train_log, stop_at)
+                if self.echo:
+                    report.message(
+                        f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
+                    )
+                self.time_up = True
+                return 0
+            validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
+            save_now = r.save_interval and self.step % r.save_interval == 0
+            if stopped_by or validate_now or save_now:
+                self._settle(train_log, stop_at)  # checkpoints hold the counters up to here
+            if stopped_by:
+                return stopped_by
+            if validate_now and self.step < self.config.optim.max_steps:
+                self._validate_and_save(log, report)
+            elif save_now:
+                self.save("last")
+        self._settle(train_log, stop_at)
+        if stop_flags is not None:  # the votes of the last step
+            stopped_by = int(stop_flags.tolist()[0])
+        return stopped_by
+
+    def _settle(self, train_log: TrainLog, stop_at: int) -> None:
+        """Read and log the step whose numbers the host has not read yet."""
+        if self._pending is None:
+            return
+        (stats, seconds), self._pending = self._pending, None
+        values = self.account(stats)
+        budget = self.config.run.time_budget_s
+        budget_left = None if budget is None else budget - self._session.seconds
+        train_log.step(
+            stats.step, values, seconds, tokens_seen=self.tokens_seen,
+            train_seconds=self.train_seconds,
+            eta_s=eta(stop_at - self.step, self._session.steps, self._session.seconds,
+                      budget_left),
+        )  # fmt: skip
+
+    def _pause(self, signal: int, log: MetricsLog) -> dict[str, Any]:
+        """A signal stopped the run: save ``last`` to resume from."""
+        self.save("last")
+        if self.echo:
+            print(
+                f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
+                f"--resume {self.out / 'last'}"
+            )
+        log.close()
+        dist.shutdown()
+        return {"stopped": True, "step": self.step, "exit_code": 128 + signal}
+
+    def _finish(self, log: MetricsLog, report: ProgressReport) -> dict[str, Any]:
+        """The last validation and checkpoints, the final evaluation, results.json."""
+        c = self.config
         summary: dict[str, Any] = {"step": self.step, "stopped": False}
-        finished = self.step >= o.max_steps or self.time_up
+        finished = self.step >= c.optim.max_steps or self.time_up
         if finished:
             self._validate_and_save(log, report)  # the final validation decides `best` too
         else:
@@ -461,13 +561,18 @@ class Trainer:
             train_tokens_per_s=self.tokens_seen / max(self.train_seconds, 1e-9),
             best_valid_loss=self.best_valid,
         )
+        if self.init is not None:
+            summary["init"] = {k: v for k, v in self.init.items() if k != "valid"}
+            summary["init_valid"] = self.init.get("valid")
+        if self.unknown is not None:
+            summary["unknown_share"] = self.unknown
         if self.compiled and self.echo:
             print(
                 f"compiling took {self.compile_seconds:.1f}s (not counted in the time budget "
                 "or tokens/s)"
             )
         log.plot(self.out / "loss.png", self.metric)
-        if finished and e.final_eval and self.dist.is_main:
+        if finished and c.eval.final_eval and self.dist.is_main:
             final = final_evaluation(
                 self.model, self.corpus, c, self.out, self.device, echo=self.echo
             )
@@ -502,6 +607,14 @@ class Trainer:
         self.save("last")
         if improved:
             self.save("best")
+
+
+@dataclass
+class _Session:
+    """The steps and seconds of training in this process (the ETA's pace)."""
+
+    steps: int = 0
+    seconds: float = 0.0
 
 
 def _indent(text: str) -> str:
