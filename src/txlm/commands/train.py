@@ -3,6 +3,7 @@
 txlm train [--preset P] [--config F.yaml ...] [--set key=value ...] [--out DIR]
 txlm train --resume runs/x/last [--set optim.max_steps=N ...]
 txlm train --init CKPT --set data.dataset=text:notes.txt ...   (fine-tune CKPT's model)
+txlm train --init CKPT --task classify --set data.dataset=classes:DIR ...   (a classifier)
 txlm train --out runs/x --overwrite   (replace the run that runs/x holds)
 torchrun --standalone --nproc_per_node N -m txlm train ...   (N GPUs, or N CPU processes)
 """
@@ -57,6 +58,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "optimizer, schedule and counters; model.* may set only dropout, dropatt, tgt_len, "
         "mem_len, clamp_len and same_length",
     )
+    p.add_argument(
+        "--task", default=None, choices=["lm", "classify"],
+        help="lm: a language model (default); classify: a document classifier on the --init "
+        "checkpoint's body, data.dataset=classes:DIR (txlm.training.classify_task)",
+    )  # fmt: skip
     add_device_options(p, in_config=True)
     p.add_argument(
         "--overwrite",
@@ -122,6 +128,10 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(
         args.preset, args.config, [*args.sets, *config_overrides(args)], base=base, init=init
     )
+    if args.task is not None and args.task != config.task:
+        if resume is not None:
+            raise ConfigError(f"--resume continues a task={config.task} run; drop --task")
+        config.task = args.task
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0

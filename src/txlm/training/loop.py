@@ -145,17 +145,25 @@ class Trainer:
                 init_ckpt = open_init(config.init)
                 self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
                 given_vocab = init_ckpt.vocab()
-        self.corpus = open_training_corpus(
-            config, self.dist, echo=self.echo, vocab=given_vocab,
-            lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
-        )  # fmt: skip
-        self.vocab = self.corpus.vocab
-        self.unknown = unknown_shares(self.corpus) if self.init is not None else None
-        self.metric = self.corpus.metric
+        # task: classify: labelled documents (classes:DIR) in place of the token corpus
+        self.task = _classify_task(config, given_vocab, self.dist, self.echo)
+        if self.task is None:
+            self.corpus = open_training_corpus(
+                config, self.dist, echo=self.echo, vocab=given_vocab,
+                lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
+            )  # fmt: skip
+            self.vocab = self.corpus.vocab
+            self.unknown = unknown_shares(self.corpus) if self.init is not None else None
+            self.metric = self.corpus.metric
+        else:
+            self.vocab, self.unknown, self.metric = given_vocab, None, self.task.metric
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
-        self.stream = training_stream(
-            self.corpus, config, self.model_config, self.dist, self.device
-        )
+        if self.task is None:
+            self.stream = training_stream(
+                self.corpus, config, self.model_config, self.dist, self.device
+            )
+        else:
+            self.stream = self.task.stream(self.model_config, self.dist, self.device)
         self._batches: Any = iter(())  # started lazily, after a resume has set the position
         resources.check_training(self.model_config, self.device, config, world)
         self.objective = OBJECTIVES[config.optim.loss]
@@ -164,12 +172,17 @@ class Trainer:
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
-        self.model = TransformerXL(self.model_config)
+        self.model: Any = (
+            TransformerXL(self.model_config)
+            if self.task is None
+            else self.task.build_model(self.model_config)  # the body and a new head
+        )
+        body = self.model if self.task is None else self.model.body
         if init_ckpt is not None:
-            load_init_weights(self.model, init_ckpt)
+            load_init_weights(body, init_ckpt)
         self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
-            align.pad_model(self.model)  # before the optimizer: its state takes these shapes
+            align.pad_model(body)  # before the optimizer: its state takes these shapes
         self.model.train()
         self.optimizer = build_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
@@ -178,7 +191,7 @@ class Trainer:
             config.data.batch_size // world,
             self.model_config.n_layer,
             self.model_config.d_model,
-            width=self.model.layers[0].attn.qkv.in_features,  # D as stored (align)
+            width=body.layers[0].attn.qkv.in_features,  # D as stored (align)
         )
         self.time_up = False
         self.compile_seconds = 0.0
@@ -201,12 +214,18 @@ class Trainer:
             run_info={
                 "train": config.to_dict(),
                 "vocab_fingerprint": self.vocab.fingerprint,
-                "dataset": {
-                    "name": config.data.dataset,
-                    "prepared": self.corpus.meta.get("name"),
-                    "level": self.corpus.level,
-                    "metric": self.metric,
-                },
+                **(
+                    {
+                        "dataset": {
+                            "name": config.data.dataset,
+                            "prepared": self.corpus.meta.get("name"),
+                            "level": self.corpus.level,
+                            "metric": self.metric,
+                        }
+                    }
+                    if self.task is None
+                    else self.task.run_info(self.model)  # task, labels, the split
+                ),
                 **({} if self.init is None else {"init": self.init}),
             },
             dist_info=self.dist,
@@ -217,10 +236,12 @@ class Trainer:
 
         self.compiled = compile_wanted(r.compile, self.device)
         rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
-        self.buckets = tail_buckets(
-            self.model, self.corpus.split("train"), self.device, self.compiled,
-            tokens=rows * self.model.config.tgt_len,
-        )  # fmt: skip
+        self.buckets = None
+        if self.task is None:
+            self.buckets = tail_buckets(
+                self.model, self.corpus.split("train"), self.device, self.compiled,
+                tokens=rows * self.model.config.tgt_len,
+            )  # fmt: skip
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
@@ -292,20 +313,29 @@ class Trainer:
             self.memory.clear()  # an epoch starts every row afresh
         self.counters.schedule_step = self.schedule_step()
         lr = learning_rate(self.counters.schedule_step, c.optim)
-        labels = self.objective(batch.labels)
+        labels = self.objective(batch.labels) if self.task is None else batch.labels
+        # N: the global batch's counted tokens; a classifier's: its documents
         n_global, scale = token_scale(labels, self.device, self.dist.world_size)
-        loss_sum, parts = forward_backward(
-            self.forward_model, batch, labels, self.memory, scale=scale, scaler=self.scaler,
-            grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
-            buckets=self.buckets,
-        )  # fmt: skip
+        parts = None
+        if self.task is None:
+            loss_sum, parts = forward_backward(
+                self.forward_model, batch, labels, self.memory, scale=scale,
+                scaler=self.scaler, grad_accum=c.optim.grad_accum, precision=c.run.precision,
+                device=self.device, buckets=self.buckets,
+            )  # fmt: skip
+        else:
+            loss_sum = self.task.forward_backward(
+                self.forward_model, batch, scale=scale, scaler=self.scaler,
+                grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
+            )  # fmt: skip
         if self.compute is not None:
             self.compute.gradients_to_master()
         loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / n_global.clamp(min=1.0)
         grad_norm, finite = self.update(lr, torch.isfinite(loss_global))
         if self.compute is not None:
             self.compute.refresh()
-        self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
+        if parts is not None:  # a classifier carries no memory from one batch to the next
+            self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
         return StepStats(self.counters.step, lr, loss_global, grad_norm, n_global, finite)
 
@@ -357,8 +387,16 @@ class Trainer:
             result = self.evaluate_split(self.model, split, full=full)
         return dist.broadcast_object(result)
 
-    def evaluate_split(self, model: TransformerXL, split: str, *, full: bool) -> dict[str, Any]:
+    def evaluate_split(self, model: Any, split: str, *, full: bool) -> dict[str, Any]:
+        if self.task is not None:  # every document of the split, whatever ``full``
+            return self.task.evaluate_split(model, split)
         return evaluate_split(model, self.corpus, self.config, split, full=full, echo=self.echo)
+
+    def _metric_value(self, loss: float) -> float:
+        """The run's metric of a training loss."""
+        if self.task is not None:
+            return self.task.metric_value(loss)
+        return self.corpus.metric_value(loss, "train")
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, kind: str) -> None:
@@ -391,12 +429,12 @@ class Trainer:
             total=o.max_steps,
             initial=self.step,
             metric=self.metric,
-            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
+            to_metric=self._metric_value,
             interval=r.progress_interval,
         )
         train_log = TrainLog(
             log, report, metric=self.metric,
-            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
+            to_metric=self._metric_value,
             log_interval=r.log_interval, stop_at=stop_at,
         )  # fmt: skip
         self.signals.install()
@@ -415,7 +453,8 @@ class Trainer:
         c = self.config
         n_params = self.model.num_parameters()
         print(
-            f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
+            f"txlm train: {c.preset} on {c.data.dataset} "
+            f"({self.task.level if self.task else self.corpus.level} level, "
             f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
             f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
         )
@@ -436,7 +475,9 @@ class Trainer:
         if self.init is None or "valid" in self.init or self.step:
             return
         result = None
-        if self.dist.is_main:
+        if self.dist.is_main and self.task is not None:
+            result = self.task.evaluate_split(self.model, "valid")
+        elif self.dist.is_main:
             result = evaluate_split(
                 self.model, self.corpus, self.config, "valid", full=True,
                 echo=self.echo, desc="init valid",
@@ -573,9 +614,14 @@ class Trainer:
             )
         log.plot(self.out / "loss.png", self.metric)
         if finished and c.eval.final_eval and self.dist.is_main:
-            final = final_evaluation(
-                self.model, self.corpus, c, self.out, self.device, echo=self.echo
-            )
+            if self.task is not None:
+                final = self.task.final_evaluation(
+                    self.model, self.out, self.device, echo=self.echo
+                )
+            else:
+                final = final_evaluation(
+                    self.model, self.corpus, c, self.out, self.device, echo=self.echo
+                )
             summary.update(final)
         if self.dist.is_main:
             atomic.write_json(self.out / RESULTS_FILE, summary)
@@ -594,12 +640,14 @@ class Trainer:
                 self.metric: result[self.metric],
                 "tokens": result["tokens"],
                 "tokens_per_s": result["tokens_per_s"],
+                **({} if self.task is None else {"accuracy": result["accuracy"]}),
             }
         )
         if self.echo:
+            accuracy = "" if self.task is None else f", accuracy {result['accuracy']:.4f}"
             report.message(
                 f"step {self.step}: valid loss {result['loss']:.4f}, "
-                f"{self.metric} {result[self.metric]:.4f}"
+                f"{self.metric} {result[self.metric]:.4f}{accuracy}"
             )
         improved = self.best_valid is None or result["loss"] < self.best_valid
         if improved:
@@ -615,6 +663,17 @@ class _Session:
 
     steps: int = 0
     seconds: float = 0.0
+
+
+def _classify_task(config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool) -> Any:
+    """``task: classify``'s pieces (txlm.training.classify_task), None for a language model."""
+    if config.task != "classify":
+        return None
+    if vocab is None:
+        raise ConfigError("--task classify fine-tunes a language model: pass --init CKPT")
+    from txlm.training.classify_task import ClassifyTask
+
+    return ClassifyTask(config, vocab, dist_info, echo=echo)
 
 
 def _indent(text: str) -> str:
