@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from txlm.classification import predict
 from txlm.classifier import Classifier
-from txlm.classify import predict
 from txlm.data.classes import Documents
 
 

@@ -34,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from txlm.classify import load_classifier, predict
+    from txlm.classification import load_classifier, predict
     from txlm.data.classes import read_document
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError, ConfigError

@@ -16,8 +16,8 @@ _LM_ONLY = ("tgt_len", "mem_len", "clamp_len", "same_length", "max_steps")
 def run(args: argparse.Namespace, saved: dict) -> int:
     import torch
 
+    from txlm.classification import load_classifier
     from txlm.classifier_eval import evaluate_documents, report
-    from txlm.classify import load_classifier
     from txlm.data.classes import open_classes
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError

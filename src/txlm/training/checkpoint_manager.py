@@ -135,8 +135,8 @@ class CheckpointManager:
             )
         if ModelConfig.from_dict(saved["model"]) != self.model_config:
             raise CheckpointError(f"{directory}: model.* settings differ from the checkpoint's")
-        if saved.get("task") == "classify":  # a classifier's body.* and head.* (txlm.classify)
-            from txlm.classify import load_classifier
+        if saved.get("task") == "classify":  # a classifier: body.* and head.* (txlm.classification)
+            from txlm.classification import load_classifier
 
             loaded = load_classifier(directory, device=self.device)
         else:

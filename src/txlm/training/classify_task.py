@@ -31,9 +31,9 @@ import torch
 from torch import Tensor
 
 from txlm import distributed as dist
+from txlm.classification import checkpoint_extras, load_classifier
 from txlm.classifier import Classifier, ClassifierConfig
 from txlm.classifier_eval import evaluate_documents
-from txlm.classify import checkpoint_extras, load_classifier
 from txlm.config import ModelConfig
 from txlm.data.classes import ClassDataset, is_classes, open_classes
 from txlm.data.documents import DocumentBatch, DocumentBatches
