@@ -110,6 +110,12 @@ class Classifier(nn.Module):
         return self.body.lengths
 
     @property
+    def layers(self) -> nn.ModuleList:
+        """The body's decoder layers (what bf16 compute copies, ``txlm.training.precision``,
+        keep in low precision)."""
+        return self.body.layers
+
+    @property
     def labels(self) -> tuple[str, ...]:
         return self.classifier_config.labels
 

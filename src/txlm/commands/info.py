@@ -80,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
         from txlm.checkpoint import load, read_config
 
         data = read_config(args.checkpoint)
-        model = load(args.checkpoint)
+        if data.get("task") == "classify":  # body and head (txlm.classification)
+            from txlm.classification import load_classifier
+
+            model = load_classifier(args.checkpoint)
+        else:
+            model = load(args.checkpoint)
         summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **data}
         print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
         return 0
