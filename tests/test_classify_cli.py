@@ -165,3 +165,41 @@ def _classifier(work: Path) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case: Case, runner, tmp_path) -> None:
     run_case(case, tmp_path / "no-assets", runner, tmp_path)
+
+
+@pytest.mark.slow
+def test_two_processes_and_accumulation_match_one(runner, tmp_path) -> None:
+    """DDP (2 CPU processes of 4 documents) and 2 accumulation chunks take the steps of one
+    process of 8: the gradient is the mean over the global batch's documents either way."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from _train_helpers import metrics, weights
+    from conftest import subprocess_env
+
+    tiny_lm(tmp_path / "lm")
+    marker_documents(tmp_path / "ds", {"train": 8, "valid": 4})
+    steps = ["optim.max_steps=4", "run.log_interval=1", "eval.final_eval=false",
+             "data.batch_size=8"]  # fmt: skip
+    rc, _, err = run(runner, tmp_path, train_argv(*steps, out="one"))
+    assert rc == 0, err
+    rc, _, err = run(runner, tmp_path, train_argv(*steps, "optim.grad_accum=2", out="accum"))
+    assert rc == 0, err
+    two = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "txlm", *train_argv(*steps, out="two")],
+        cwd=tmp_path, env=subprocess_env(tmp_path / "data"), capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "2 process(es)" in two.stdout
+    ref = [m["loss"] for m in metrics(tmp_path / "one")]
+    assert len(ref) == 4
+    for other in ("two", "accum"):
+        # the same sums in another order (rows split across ranks or chunks): float32 rounding
+        assert [m["loss"] for m in metrics(tmp_path / other)] == pytest.approx(ref, rel=1e-5)
+        a, b = weights(tmp_path / "one" / "last"), weights(tmp_path / other / "last")
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
