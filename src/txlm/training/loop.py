@@ -67,6 +67,7 @@ from txlm.training.build import (
     unknown_shares,
 )
 from txlm.training.checkpoint_manager import CheckpointManager
+from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
@@ -191,7 +192,7 @@ class Trainer:
             config.data.batch_size // world,
             self.model_config.n_layer,
             self.model_config.d_model,
-            width=body.layers[0].attn.qkv.in_features,  # D as stored (align)
+            width=self.model.layers[0].attn.qkv.in_features,  # D as stored (align)
         )
         self.time_up = False
         self.compile_seconds = 0.0
@@ -665,14 +666,14 @@ class _Session:
     seconds: float = 0.0
 
 
-def _classify_task(config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool) -> Any:
+def _classify_task(
+    config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool
+) -> ClassifyTask | None:
     """``task: classify``'s pieces (txlm.training.classify_task), None for a language model."""
     if config.task != "classify":
         return None
     if vocab is None:
         raise ConfigError("--task classify fine-tunes a language model: pass --init CKPT")
-    from txlm.training.classify_task import ClassifyTask
-
     return ClassifyTask(config, vocab, dist_info, echo=echo)
 
 
