@@ -90,6 +90,17 @@ def test_eval_reports_what_the_run_measured(runner, marker_runs) -> None:
     assert out.startswith("valid: accuracy ") and "confusion (rows: true" in out
 
 
+def test_info_shows_a_classifier(runner, marker_runs) -> None:
+    rc, out, err = run(runner, marker_runs, ["info", "mem16/best", "--json"])
+    assert rc == 0, err
+    info = json.loads(out)
+    assert info["task"] == "classify" and info["classifier"]["labels"] == ["x", "y"]
+    import txlm
+
+    body = txlm.load(marker_runs / "lm").num_parameters()
+    assert info["params"] == body + 2 * info["model"]["d_model"] + 2  # the body's and the head's
+
+
 def test_classify_labels_files(runner, marker_runs) -> None:
     work = marker_runs
     files = [f"ds/test/{label}/{i:03d}.txt" for label in MARKERS for i in range(4)]
