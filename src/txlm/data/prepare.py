@@ -266,12 +266,14 @@ def _lower_cased(raw: RawCorpus) -> RawCorpus:
 
 
 def _refuse_all_unknown(vocab: Vocab, train_counts: np.ndarray, name: str) -> None:
-    """A corpus of which the vocabulary knows nothing would train the model on ``<unk>``."""
+    """A corpus of which the vocabulary knows nothing but spaces, line ends and its special
+    symbols would train the model on ``<unk>``."""
     if vocab.unk_id is None:
         return
     specials = {i for i in (vocab.unk_id, vocab.eos_id, vocab.bos_id) if i is not None}
-    known = int(train_counts.sum()) - sum(int(train_counts[i]) for i in specials)
-    if known == 0:
+    blank = {i for i, sym in enumerate(vocab.symbols) if not sym.strip()}
+    seen = np.flatnonzero(train_counts)
+    if all(int(i) in specials or int(i) in blank for i in seen):
         raise DataError(
             f"every symbol of {name}'s train split becomes {vocab.unk} with the checkpoint's "
             f"{vocab.level} vocabulary: nothing to learn from"

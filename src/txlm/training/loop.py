@@ -70,7 +70,7 @@ from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import init_record, load_init_weights, open_init, text_options
+from txlm.training.init import init_record, open_init, text_options
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -134,7 +134,7 @@ class Trainer:
         # init_valid once measured) travels in every checkpoint's config.json, so a resumed
         # run reads it, and the vocabulary, from the checkpoint it resumes.
         self.init: dict[str, Any] | None = None
-        init_ckpt = None
+        init_model = None
         given_vocab = None
         if config.init is not None:
             if resume is not None:
@@ -145,6 +145,12 @@ class Trainer:
                 init_ckpt = open_init(config.init)
                 self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
                 given_vocab = init_ckpt.vocab()
+                # Its size checked before its weights are read, and its weights read before
+                # the corpus is prepared: a refused --init leaves nothing behind.
+                resources.check_training(
+                    config.model_config(len(given_vocab)), self.device, config, world
+                )
+                init_model = init_ckpt.load_model(device="cpu", align_heads=False)
         self.corpus = open_training_corpus(
             config, self.dist, echo=self.echo, vocab=given_vocab,
             lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
@@ -165,8 +171,9 @@ class Trainer:
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
         self.model = TransformerXL(self.model_config)
-        if init_ckpt is not None:
-            load_init_weights(self.model, init_ckpt)
+        if init_model is not None:
+            self.model.load_state_dict(init_model.state_dict())
+            del init_model
         self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
             align.pad_model(self.model)  # before the optimizer: its state takes these shapes

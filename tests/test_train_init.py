@@ -1,0 +1,257 @@
+"""``txlm train --init CKPT``: fine-tuning a checkpoint on another corpus (contract C38).
+
+Real ``python -m txlm`` runs on small real data: a char checkpoint trained here for a few
+steps, and a tiny transformers TransfoXL with a word vocabulary in the published format (a
+legacy ``vocab.bin``), converted. Each fine-tuned run must learn (valid on the new corpus
+below ``init_valid``, measured the same way before the first step), keep the checkpoint's
+vocabulary, start fresh and record where it started; killed and resumed, it ends equal to
+an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _train_helpers import FAST, tiny_text, txlm
+from conftest import REPO, save_tiny_hf, subprocess_env
+
+RUN = [
+    "data.batch_size=4",
+    "eval.eval_interval=0",
+    "eval.sample_tokens=0",
+    "run.log_interval=1",
+    *FAST,
+]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _train(args: list[str], data_dir: Path) -> dict:
+    proc = txlm(["train", "--preset", "debug", *args, "--json"], data_dir)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _rhymes(path: Path, lines: int = 400, seed: int = 0) -> Path:
+    """A corpus unlike the play: a few short lines over and over, in the play's letters."""
+    rng = random.Random(seed)
+    verses = ["the cat sat on the mat", "a dog ran to the log", "my hat is on the cat"]
+    path.write_text("\n".join(rng.choice(verses) for _ in range(lines)) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def char_base(tmp_path_factory) -> tuple[Path, Path]:
+    """A char checkpoint: the debug preset, 20 steps on the start of Hamlet."""
+    root = tmp_path_factory.mktemp("char")
+    text = tiny_text(root)
+    data = root / "data"
+    _train(
+        [
+            "--set", f"data.dataset=text:{text}", "optim.max_steps=20", "optim.lr=3e-3",
+            "eval.final_eval=false", *RUN, "--out", str(root / "base"),
+        ],
+        data,
+    )  # fmt: skip
+    return root, data
+
+
+def _finetune(root: Path, data: Path, out: str, *extra: str, steps: int = 30) -> dict:
+    corpus = _rhymes(root / "rhymes.txt")
+    return _train(
+        [
+            "--init", str(root / "base" / "best"),
+            "--set", f"data.dataset=text:{corpus}", f"optim.max_steps={steps}",
+            "optim.lr=3e-3", "run.save_interval=1", *RUN, *extra, "--out", str(root / out),
+        ],
+        data,
+    )  # fmt: skip
+
+
+def test_a_char_checkpoint_fine_tuned_learns_and_keeps_its_vocabulary(char_base):
+    root, data = char_base
+    base = root / "base" / "best"
+    summary = _finetune(root, data, "ft", "model.dropout=0.0")
+    results = json.loads((root / "ft" / "results.json").read_text())
+    assert results["init_valid"] == summary["init_valid"]
+
+    # learned: the same split, measured the same way, before and after
+    before, after = results["init_valid"], results["valid"]
+    assert before["tokens"] == after["tokens"] and before["split"] == after["split"] == "valid"
+    assert after["bpc"] < before["bpc"] - 0.3, (before["bpc"], after["bpc"])
+
+    # the checkpoint's vocabulary, file for file, and the corpus encoded with it
+    base_config = json.loads((base / "config.json").read_text())
+    for kind in ("best", "last"):
+        assert (root / "ft" / kind / "vocab.json").read_bytes() == (
+            base / "vocab.json"
+        ).read_bytes()
+    ft_config = json.loads((root / "ft" / "last" / "config.json").read_text())
+    assert ft_config["vocab_fingerprint"] == base_config["vocab_fingerprint"]
+    prepared = data / ft_config["dataset"]["prepared"]
+    assert f"vocab-{base_config['vocab_fingerprint']}" in prepared.name
+    meta = json.loads((prepared / "meta.json").read_text())
+    assert meta["vocab_fingerprint"] == base_config["vocab_fingerprint"]
+    # ... and never the copy with the corpus's own vocabulary (another alphabet's ids)
+    assert not (data / "text-rhymes").exists()
+
+    # the model is the checkpoint's, with the one setting a trained model lets change
+    assert ft_config["model"] == {**base_config["model"], "dropout": 0.0}
+
+    # where it started: in the saved configuration and results.json
+    record = {"path": str(base.resolve()), "weights_sha256": _sha256(base / "model.safetensors")}
+    assert {k: results["init"][k] for k in record} == record
+    assert {k: ft_config["init"][k] for k in record} == record
+    assert ft_config["train"]["init"] == str(base.resolve())
+
+    # fresh: counters from 0 (the base's 20 steps are not carried), the schedule's warm-up
+    state = json.loads((root / "ft" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 30 and results["step"] == 30
+    rows = [json.loads(r) for r in (root / "ft" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    assert [r["step"] for r in train_rows] == list(range(1, 31))
+    assert next(r for r in rows if r["split"] == "init_valid")["loss"] == before["loss"]
+    # a char vocabulary with <unk>: the rhymes' letters are all the play's
+    assert results["unknown_share"] == {"train": 0.0, "valid": 0.0, "test": 0.0}
+
+
+def test_a_killed_fine_tuning_run_resumes_bit_for_bit(char_base):
+    """Killed after step 7 (the fault seam), resumed from `last`: the same weights, Adam
+    moments and init_valid as a run that was never interrupted (the same computation)."""
+    root, data = char_base
+    straight = _finetune(root, data, "straight", steps=12)
+    corpus = root / "rhymes.txt"
+    argv = [
+        "train", "--preset", "debug", "--init", str(root / "base" / "best"),
+        "--set", f"data.dataset=text:{corpus}", "optim.max_steps=12", "optim.lr=3e-3",
+        "run.save_interval=1", *RUN, "--out", str(root / "killed"),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "txlm", *argv],
+        cwd=REPO,
+        env=subprocess_env(data, TXLM_FAULT="step:7:kill"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == -9, proc.stderr
+    state = json.loads((root / "killed" / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 6  # `last` as saved after step 6; step 7 was lost with the process
+    proc = txlm(["train", "--resume", str(root / "killed" / "last"), "--json"], data)
+    assert proc.returncode == 0, proc.stderr
+    resumed = json.loads(proc.stdout.splitlines()[-1])
+    assert resumed["step"] == straight["step"] == 12
+    assert resumed["init_valid"] == straight["init_valid"]  # measured once, carried in `last`
+    assert resumed["init"] == straight["init"]
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a = load_file(str(root / "straight" / "last" / name))
+        b = load_file(str(root / "killed" / "last" / name))
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"{name}:{key} differs after kill/resume"
+
+
+# -- a converted word-level checkpoint ------------------------------------------------------
+
+WORDS = [
+    "the", "of", "and", "to", "a", "in", "is", "was", "he", "for", "it", "with", "as", "his",
+    "on", "be", "at", "by", "had", "not", "are", "but", "from", "or", "have", "an", "they",
+    "which", "one", "you", "were", "her", "all", "she", "there", "would", "their", "we",
+]  # fmt: skip
+SYMBOLS = ["<eos>", "<unk>", *WORDS]  # 40: TINY_HF's vocab_size
+
+
+def _word_corpus(path: Path, lines: int = 600, seed: int = 1) -> tuple[Path, str]:
+    """Capitalised lines (the tokenizer lower-cases), mostly the vocabulary's words, few
+    of them frequent, and now and then a word it lacks."""
+    rng = random.Random(seed)
+    common, rare = WORDS[:6], WORDS[6:]
+    out = []
+    for _ in range(lines):
+        words = [
+            rng.choice(["zebra", "quasar"])
+            if rng.random() < 0.05
+            else rng.choice(common if rng.random() < 0.8 else rare)
+            for _ in range(rng.randint(4, 9))
+        ]
+        out.append(" ".join([words[0].capitalize(), *words[1:]]))
+    text = "\n".join(out) + "\n"
+    path.write_text(text)
+    return path, text
+
+
+def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_share(tmp_path):
+    hf = tmp_path / "hf"
+    save_tiny_hf(hf, safe=False)
+    legacy = {
+        "idx2sym": SYMBOLS,
+        "sym2idx": OrderedDict((s, i) for i, s in enumerate(SYMBOLS)),
+        "special": ["<eos>"],
+        "lower_case": True,
+        "delimiter": None,
+    }
+    torch.save(legacy, hf / "vocab.bin", _use_new_zipfile_serialization=False)  # published form
+    data = tmp_path / "data"
+    proc = txlm(["convert", "--from", "hf", str(hf), "--out", str(tmp_path / "tx")], data)
+    assert proc.returncode == 0, proc.stderr
+    corpus, text = _word_corpus(tmp_path / "words.txt")
+
+    proc = txlm(
+        [
+            "train", "--init", str(tmp_path / "tx"),
+            "--set", f"data.dataset=text:{corpus}", "optim.max_steps=40", "optim.lr=1e-2",
+            "data.tgt_len=16", "model.mem_len=16", "eval.final_max_tokens=100000", *RUN,
+            "--out", str(tmp_path / "ft"),
+        ],
+        data,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads((tmp_path / "ft" / "results.json").read_text())
+    assert results["valid"]["ppl"] < results["init_valid"]["ppl"] * 0.92, (
+        results["init_valid"]["ppl"],
+        results["valid"]["ppl"],
+    )
+    assert results["init"]["text"] == {"lower_case": True}
+
+    # The unknown share, counted here from the text: text: splits cut 90/5/5 at line starts;
+    # each line is its words and an <eos>, and (lower-cased) only zebra and quasar are unknown.
+    ft_config = json.loads((tmp_path / "ft" / "last" / "config.json").read_text())
+    meta = json.loads((data / ft_config["dataset"]["prepared"] / "meta.json").read_text())
+    train_tokens = meta["splits"]["train"]["tokens"]
+    lines = text.splitlines()
+    tokens = unknown = 0
+    for line in lines:
+        if tokens >= train_tokens:
+            break
+        words = line.lower().split()
+        tokens += len(words) + 1
+        unknown += sum(w not in SYMBOLS for w in words)
+    assert tokens == train_tokens
+    assert results["unknown_share"]["train"] == unknown / train_tokens
+    assert 0.02 < results["unknown_share"]["train"] < 0.08  # about 5% of the words
+    assert set(results["unknown_share"]) == {"train", "valid", "test"}
+    assert "unknown symbols (<unk>) in the corpus: train" in proc.stdout
+
+    # the converted vocabulary, kept; and the fine-tuned model generates with it
+    assert (tmp_path / "ft" / "best" / "vocab.json").read_bytes() == (
+        tmp_path / "tx" / "vocab.json"
+    ).read_bytes()
+    proc = txlm(
+        ["generate", str(tmp_path / "ft" / "best"), "--prompt", "the", "--max-new-tokens", "8",
+         "--seed", "0"],
+        data,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert all(w in SYMBOLS for w in proc.stdout.split()), proc.stdout
