@@ -255,3 +255,64 @@ def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_s
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert all(w in SYMBOLS for w in proc.stdout.split()), proc.stdout
+
+
+# -- optim.freeze ---------------------------------------------------------------------------
+
+
+def test_frozen_parameters_stay_the_checkpoints_and_hold_no_adam_state(char_base):
+    root, data = char_base
+    _finetune(root, data, "frozen", "optim.freeze=[embed]", steps=6)
+    base = load_file(str(root / "base" / "best" / "model.safetensors"))
+    tuned = load_file(str(root / "frozen" / "last" / "model.safetensors"))
+    frozen = [k for k in base if k.startswith("embed.")]
+    assert frozen
+    for key in base:  # copied, never stepped: the very values
+        assert torch.equal(base[key], tuned[key]) == (key in frozen), key
+    # Adam's state exists for the trained parameters only
+    from txlm.checkpoint import Checkpoint
+    from txlm.model import TransformerXL
+
+    with torch.device("meta"):
+        model = TransformerXL(Checkpoint.open(root / "frozen" / "last").model_config)
+    names = [n for n, _ in model.named_parameters()]
+    moments = load_file(str(root / "frozen" / "last" / "optimizer.safetensors"))
+    stepped = {names[int(k.split(".")[0])] for k in moments}
+    assert stepped == {n for n in names if not n.startswith("embed.")}
+
+
+def test_the_resource_check_counts_no_gradients_or_moments_for_frozen_parameters(
+    tmp_path, monkeypatch
+):
+    from _train_helpers import tiny_config
+    from txlm import resources
+    from txlm.training import Trainer
+
+    seen: list[dict[str, int]] = []
+    real_check = resources.check
+
+    def spy(needs, device, *, doing):
+        seen.append({n.what: n.nbytes for n in needs})
+        real_check(needs, device, doing=doing)
+
+    monkeypatch.setattr(resources, "check", spy)
+    common = ["optim.max_steps=1", "run.tensorboard=false", "run.progress=false"]
+    plain = Trainer(tiny_config(tmp_path, *common), tmp_path / "a", echo=False)
+    frozen = Trainer(
+        tiny_config(tmp_path, *common, "optim.freeze=[embed, layers.0]"), tmp_path / "b",
+        echo=False,
+    )  # fmt: skip
+    kept = {id(p): p for n, p in frozen.model.named_parameters() if not p.requires_grad}
+    n_frozen = sum(p.numel() for p in kept.values())
+    embed_and_first = {
+        id(p): p
+        for n, p in plain.model.named_parameters(remove_duplicate=False)
+        if n.startswith(("embed.", "layers.0."))
+    }
+    assert n_frozen == sum(p.numel() for p in embed_and_first.values()) > 0
+    what = "gradients and Adam's moments"
+    # fp32: a gradient and two moments, 4 bytes each, per trained parameter
+    assert seen[0][what] - seen[1][what] == 12 * n_frozen
+    assert {k: v for k, v in seen[0].items() if k != what} == {
+        k: v for k, v in seen[1].items() if k != what
+    }

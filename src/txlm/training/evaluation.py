@@ -101,7 +101,9 @@ def final_evaluation(
     metric = corpus.metric
     summary: dict[str, Any] = {"metric": metric}
     for split in ("valid", "test"):
-        result = evaluate_split(model, corpus, config, split, full=True, echo=echo)
+        result = evaluate_split(
+            model, corpus, config, split, full=True, echo=echo, desc=f"final {split}"
+        )
         summary[split] = result
         if echo:
             part = (

@@ -62,6 +62,7 @@ from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
 from txlm.training.build import (
     build_optimizer,
+    frozen_parameters,
     open_training_corpus,
     training_stream,
     unknown_shares,
@@ -147,9 +148,7 @@ class Trainer:
                 given_vocab = init_ckpt.vocab()
                 # Its size checked before its weights are read, and its weights read before
                 # the corpus is prepared: a refused --init leaves nothing behind.
-                resources.check_training(
-                    config.model_config(len(given_vocab)), self.device, config, world
-                )
+                self._check_resources(config.model_config(len(given_vocab)), world)
                 init_model = init_ckpt.load_model(device="cpu", align_heads=False)
         self.corpus = open_training_corpus(
             config, self.dist, echo=self.echo, vocab=given_vocab,
@@ -163,7 +162,7 @@ class Trainer:
             self.corpus, config, self.model_config, self.dist, self.device
         )
         self._batches: Any = iter(())  # started lazily, after a resume has set the position
-        resources.check_training(self.model_config, self.device, config, world)
+        self._check_resources(self.model_config, world)
         self.objective = OBJECTIVES[config.optim.loss]
 
         # Model and optimizer. Every rank builds the same initial weights from the seed.
@@ -178,6 +177,8 @@ class Trainer:
         if align.wanted(r.align_heads, self.device):
             align.pad_model(self.model)  # before the optimizer: its state takes these shapes
         self.model.train()
+        for p in frozen_parameters(self.model, config.optim.freeze):
+            p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
         self.optimizer = build_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
@@ -242,6 +243,16 @@ class Trainer:
             device=self.device,
             compiled=self.compiled,
         )
+
+    def _check_resources(self, model_config: ModelConfig, world: int) -> None:
+        """Refuse a run whose step cannot fit, before its model is allocated: the frozen
+        parameters counted on a model on the meta device (no memory)."""
+        frozen = 0
+        if self.config.optim.freeze:
+            with torch.device("meta"):
+                shape = TransformerXL(model_config)
+            frozen = sum(p.numel() for p in frozen_parameters(shape, self.config.optim.freeze))
+        resources.check_training(model_config, self.device, self.config, world, frozen=frozen)
 
     # -- the counters, by their established names ----------------------------------------------
     @property
