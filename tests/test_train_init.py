@@ -153,7 +153,11 @@ def test_a_killed_fine_tuning_run_resumes_bit_for_bit(char_base):
     assert proc.returncode == 0, proc.stderr
     resumed = json.loads(proc.stdout.splitlines()[-1])
     assert resumed["step"] == straight["step"] == 12
-    assert resumed["init_valid"] == straight["init_valid"]  # measured once, carried in `last`
+    # measured once by the killed process and carried in `last` (its timing aside)
+    same = ("loss", "bpc", "tokens", "segments", "tgt_len", "mem_len")
+    assert {k: resumed["init_valid"][k] for k in same} == {
+        k: straight["init_valid"][k] for k in same
+    }
     assert resumed["init"] == straight["init"]
     for name in ("model.safetensors", "optimizer.safetensors"):
         a = load_file(str(root / "straight" / "last" / name))

@@ -392,6 +392,22 @@ def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
     return Vocab(symbols, "word", unk=unk, eos=eos).to_json(), notes
 
 
+def text_options(config_data: dict[str, Any]) -> dict[str, Any]:
+    """How text is normalised before a converted checkpoint's vocabulary encodes it, from
+    the options its tokenizer recorded at conversion (``converted_from.tokenizer`` in
+    config.json): ``lower_case``. A txlm-trained checkpoint has none: text as it is."""
+    converted = config_data.get("converted_from")
+    tokenizer = converted.get("tokenizer") if isinstance(converted, dict) else None
+    lower = isinstance(tokenizer, dict) and tokenizer.get("lower_case") is True
+    return {"lower_case": lower}
+
+
+def normalize_text(text: str, options: dict[str, Any]) -> str:
+    """``text`` as the converted tokenizer read it (``text_options``): lower-cased when it
+    lower-cased its input, as TransfoXLTokenizer did (``str.lower`` of each line)."""
+    return text.lower() if options.get("lower_case") else text
+
+
 # -- the whole conversion -------------------------------------------------------------------
 
 

@@ -254,10 +254,14 @@ def _prepare_with_vocab(
 
 
 def _lower_cased(raw: RawCorpus) -> RawCorpus:
+    from txlm.convert import normalize_text  # the one rule, shared with whatever encodes text
+
+    options = {"lower_case": True}
+
     def lowered(source: SplitSource) -> SplitSource:
         def pieces() -> Iterator[Piece]:
             for text, new_doc in source.pieces():
-                yield (text.lower() if isinstance(text, str) else text), new_doc
+                yield (normalize_text(text, options) if isinstance(text, str) else text), new_doc
 
         return SplitSource(pieces, line_docs=source.line_docs)
 

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from txlm import checkpoint
+from txlm.convert import normalize_text
 from txlm.data import PreparedCorpus
 from txlm.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
@@ -121,8 +122,11 @@ def final_evaluation(
         t0 = time.perf_counter()
         # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
         # then gives the same text there
+        # a corpus prepared lower-cased (a converted tokenizer's option): the prompt too
+        lower = bool(corpus.meta.get("tokenizer", {}).get("lower_case"))
+        prompt = normalize_text(e.sample_prompt, {"lower_case": lower})
         text = sample_text(
-            model, corpus.vocab, e.sample_prompt, e.sample_tokens, top_k=e.sample_top_k,
+            model, corpus.vocab, prompt, e.sample_tokens, top_k=e.sample_top_k,
             seed=config.run.seed,
         )  # fmt: skip
         summary["sample"] = text

@@ -68,13 +68,6 @@ def init_from(ckpt: Checkpoint, config: Any) -> Any:
     return config
 
 
-def text_options(ckpt_data: dict[str, Any]) -> dict[str, Any]:
-    """How text is normalised before the checkpoint's vocabulary encodes it: the options a
-    converted tokenizer recorded (``converted_from.tokenizer``; lower case)."""
-    tokenizer = (ckpt_data.get("converted_from") or {}).get("tokenizer") or {}
-    return {"lower_case": bool(tokenizer.get("lower_case", False))}
-
-
 def init_record(ckpt: Checkpoint) -> dict[str, Any]:
     """What a run records of its start."""
     return {"path": str(ckpt.path.resolve()), "weights_sha256": ckpt.weights_sha256()}

@@ -57,6 +57,7 @@ from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
 from txlm.checkpoint import Checkpoint
 from txlm.config import ModelConfig
+from txlm.convert import text_options
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
@@ -71,7 +72,7 @@ from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import init_record, open_init, text_options
+from txlm.training.init import init_record, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
