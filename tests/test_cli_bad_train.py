@@ -236,6 +236,13 @@ CASES: list[Case] = [
         uses=("corpus.txt", "data", "run"),
     ),
     Case(
+        "train-init-cannot-fit",
+        [*TRAIN_BASE, "--init", "run/best", "--out", "ft"],
+        "start from a smaller one",
+        edit_json("run/best/config.json", lambda d: d["model"].__setitem__("d_inner", 10**12)),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
         "train-init-all-unknown",
         [*TRAIN_BASE, "data.dataset=text:alien.txt", "--init", "run/best", "--out", "ft"],
         "<unk>",

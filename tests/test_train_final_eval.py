@@ -22,7 +22,6 @@ def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(tmp_path, 
         "eval.final_max_tokens=100",
         "run.tensorboard=false",
         "run.progress=true",
-        "run.threads=1",
     )
     out = tmp_path / "run"
     Trainer(config, out).fit()

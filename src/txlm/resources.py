@@ -267,10 +267,14 @@ def check_training(
         frozen=frozen,
     )
     if getattr(train, "init", None) is not None:
-        fixed = "a smaller --init checkpoint (its weights fix the model's size)"
+        fixed = (
+            "the model's size (the --init checkpoint's weights fix it: start from a smaller one)"
+        )
         needs = [
             replace(
-                n, lower=fixed + n.lower[len("model.d_model, model.n_layer or model.d_inner") :]
+                n,
+                lower=fixed
+                + (", or freeze parts of it (optim.freeze)" if "optim.freeze" in n.lower else ""),
             )
             if n.lower.startswith("model.d_model")
             else n

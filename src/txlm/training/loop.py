@@ -58,6 +58,7 @@ from txlm import distributed as dist
 from txlm.checkpoint import Checkpoint
 from txlm.config import ModelConfig
 from txlm.convert import text_options
+from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
@@ -132,25 +133,8 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        # A run started from a checkpoint: its record (path, weights' sha256, text options,
-        # init_valid once measured) travels in every checkpoint's config.json, so a resumed
-        # run reads it, and the vocabulary, from the checkpoint it resumes.
-        self.init: dict[str, Any] | None = None
-        init_model = None
-        given_vocab = None
-        if config.init is not None:
-            if resume is not None:
-                resumed = Checkpoint.open(resume)
-                self.init = dict(resumed.data.get("init") or {})
-                given_vocab = resumed.vocab()
-            else:
-                init_ckpt = open_init(config.init)
-                self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
-                given_vocab = init_ckpt.vocab()
-                # Its size checked before its weights are read, and its weights read before
-                # the corpus is prepared: a refused --init leaves nothing behind.
-                self._check_resources(config.model_config(len(given_vocab)), world)
-                init_model = init_ckpt.load_model(device="cpu", align_heads=False)
+        self.init: dict[str, Any] | None = None  # a run started from a checkpoint: its record
+        given_vocab, init_model = self._start_from(resume, world)
         self.corpus = open_training_corpus(
             config, self.dist, echo=self.echo, vocab=given_vocab,
             lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
@@ -244,6 +228,28 @@ class Trainer:
             device=self.device,
             compiled=self.compiled,
         )
+
+    def _start_from(
+        self, resume: str | Path | None, world: int
+    ) -> tuple[Vocab | None, TransformerXL | None]:
+        """A run started from a checkpoint (``config.init``): the vocabulary its corpus is
+        encoded with and, for a new run, the checkpoint's model. Its record (path, weights'
+        sha256, text options, init_valid once measured) travels in every checkpoint's
+        config.json, so a resumed run reads it, and the vocabulary, from the one it resumes.
+        """
+        if self.config.init is None:
+            return None, None
+        if resume is not None:
+            resumed = Checkpoint.open(resume)
+            self.init = dict(resumed.data.get("init") or {})
+            return resumed.vocab(), None
+        ckpt = open_init(self.config.init)
+        self.init = {**init_record(ckpt), "text": text_options(ckpt.data)}
+        vocab = ckpt.vocab()
+        # Its size checked before its weights are read, and its weights read before the
+        # corpus is prepared: a refused --init leaves nothing behind.
+        self._check_resources(self.config.model_config(len(vocab)), world)
+        return vocab, ckpt.load_model(device="cpu", align_heads=False)
 
     def _check_resources(self, model_config: ModelConfig, world: int) -> None:
         """Refuse a run whose step cannot fit, before its model is allocated: the frozen
