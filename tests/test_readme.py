@@ -172,7 +172,12 @@ def test_readme_is_short_and_speaks_to_users():
 
 
 # -- saying what is ----------------------------------------------------------------------
-HISTORY_PAGES = [README, REPO / "ARCHITECTURE.md", *PAGES[1:]]
+HISTORY_PAGES = [
+    README,
+    REPO / "ARCHITECTURE.md",
+    *PAGES[1:],
+    *sorted((REPO / "benchmarks").rglob("*.md")),
+]
 HISTORY = re.compile(
     r"\bissues? #?\d+|\bissue-\d+|(?<![\w&/])#\d+\b|\bthe [\w-]+ issue\b|\bthis session\b"
     r"|\b(?:since|now|was|were|got) fixed\b|\bnot yet looked into\b|\bolder (?:txlm|code)\b"
