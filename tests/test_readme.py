@@ -181,7 +181,7 @@ HISTORY_PAGES = [
 HISTORY = re.compile(
     r"\bissues? #?\d+|\bissue-\d+|(?<![\w&/])#\d+\b|\bthe [\w-]+ issue\b|\bthis session\b"
     r"|\b(?:since|now|was|were|got) fixed\b|\bnot yet looked into\b|\bolder (?:txlm|code)\b"
-    r"|\bpredates?\b|\bused to be\b"
+    r"|\bpredates?\b|\bused to be\b|\bpreviously\b"
     # a commit id: 7-40 hex digits with a letter and a digit among them
     r"|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
     re.I,
@@ -202,14 +202,14 @@ def history(text: str) -> list[str]:
 def test_the_history_check_catches_a_story_and_lets_a_command_name_a_revision():
     page = (
         "Training (issue 19's plan): aligned shapes, see #42.\n"
-        "Against 2b30591, the older code the decoding issue measured, since fixed.\n"
+        "Against 2b30591, the older code the decoding issue previously measured, since fixed.\n"
         "```sh\ngit worktree add /tmp/old 2b30591\n```\n"
         "Then `python benchmarks/compare_revisions.py --old /tmp/old/src` (`compare_2b30591.json`)"
         " at d_model 256 in 1024 dims: 3% faster than `da5271c`.\n"
     )
     assert history(page) == [
-        "issue 19", "#42", "2b30591", "older code", "the decoding issue", "since fixed",
-        "da5271c",
+        "issue 19", "#42", "2b30591", "older code", "the decoding issue", "previously",
+        "since fixed", "da5271c",
     ]  # fmt: skip
 
 
