@@ -320,3 +320,26 @@ def test_the_resource_check_counts_no_gradients_or_moments_for_frozen_parameters
     assert {k: v for k, v in seen[0].items() if k != what} == {
         k: v for k, v in seen[1].items() if k != what
     }
+
+
+def test_a_corpus_encoded_with_a_given_vocabulary_never_shares_a_folder_with_its_own(tmp_path):
+    """The corpus's own copy, a copy encoded with a checkpoint's vocabulary, and the own copy
+    of a file whose name spells that copy's name: three folders, each with its vocabulary."""
+    from txlm.data import load_prepared, open_corpus
+    from txlm.data.vocab import Vocab
+
+    text = "the cat sat on the mat\n" * 200
+    (tmp_path / "b.txt").write_text(text)
+    given = Vocab.build_char({c: 1 for c in "the cat sat on mat\nxyz"})
+    own = open_corpus(f"text:{tmp_path / 'b.txt'}", tmp_path / "data")
+    tuned = open_corpus(f"text:{tmp_path / 'b.txt'}", tmp_path / "data", vocab=given)
+    twin = tmp_path / f"{tuned.path.name.removeprefix('text-')}.txt"
+    twin.write_text(text)
+    spelt = open_corpus(f"text:{twin}", tmp_path / "data")
+    folders = {own.path, tuned.path, spelt.path}
+    assert len(folders) == 3
+    assert tuned.vocab.fingerprint == given.fingerprint != own.vocab.fingerprint
+    assert load_prepared(own.path).vocab.fingerprint == own.vocab.fingerprint  # untouched
+    assert spelt.vocab.fingerprint == own.vocab.fingerprint
+    # the same ids as the given vocabulary encodes the text to (its own numbering kept)
+    assert tuned.split("train").tolist() == given.encode(text)[: len(tuned.split("train"))]

@@ -54,8 +54,8 @@ def prepared_folder(
     """Where ``prepare_dataset(name, data_dir, level=level, vocab=vocab, ...)`` keeps its copy.
 
     A copy encoded with a given vocabulary (a checkpoint's) carries its level and fingerprint
-    in the name: it can never be taken for the copy with the corpus's own vocabulary, nor
-    for one encoded with another checkpoint's.
+    in the name, after a "+" that no name of the corpus's own copies holds: it can never be
+    taken for a copy with the corpus's own vocabulary, nor for one with another checkpoint's.
     """
     if recall.is_recall(name):
         return Path(data_dir) / recall.parse_spec(name).folder_name
@@ -65,7 +65,8 @@ def prepared_folder(
         return Path(data_dir) / sources.out_name(kind, level, user_path)
     base = sources.out_name(kind, SPECS[kind].default_level, user_path)
     suffix = "-lower" if lower_case else ""
-    return Path(data_dir) / f"{base}-{vocab.level}-vocab-{vocab.fingerprint}{suffix}"
+    # "+": never in a name of the corpus's own copies (text: stems keep [A-Za-z0-9_.-])
+    return Path(data_dir) / f"{base}+{vocab.level}-vocab-{vocab.fingerprint}{suffix}"
 
 
 def prepare_dataset(
