@@ -1,9 +1,10 @@
 """``txlm train --init CKPT``: fine-tuning a checkpoint on another corpus (contract C38).
 
-Real ``python -m txlm`` runs on small real data: a char checkpoint trained here for a few
-steps, and a tiny transformers TransfoXL with a word vocabulary in the published format (a
-legacy ``vocab.bin``), converted. Each fine-tuned run must learn (valid on the new corpus
-below ``init_valid``, measured the same way before the first step), keep the checkpoint's
+``python -m txlm`` runs (forked by the warm runner: the same code path as a process of its
+own) on small real data: a char checkpoint trained here for a few steps, and a tiny
+transformers TransfoXL with a word vocabulary in the published format (a legacy
+``vocab.bin``), converted. Each fine-tuned run must learn (valid on the new corpus below
+``init_valid``, measured the same way before the first step), keep the checkpoint's
 vocabulary, start fresh and record where it started; killed and resumed, it ends equal to
 an uninterrupted run.
 """
@@ -13,8 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import subprocess
-import sys
+import tempfile
 from collections import OrderedDict
 from pathlib import Path
 
@@ -22,8 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _train_helpers import FAST, tiny_text, txlm
-from conftest import REPO, save_tiny_hf, subprocess_env
+from _train_helpers import FAST, tiny_text
+from conftest import REPO, save_tiny_hf
 
 RUN = [
     "data.batch_size=4",
@@ -38,10 +38,17 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _train(args: list[str], data_dir: Path) -> dict:
-    proc = txlm(["train", "--preset", "debug", *args, "--json"], data_dir)
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.splitlines()[-1])
+def _txlm(runner, argv: list[str], data_dir: Path, **env: str) -> tuple[int, str, str]:
+    """``python -m txlm ARGV``, forked by the warm runner (the same code path as a process
+    of its own, without the interpreter's and torch's start-up)."""
+    io_dir = Path(tempfile.mkdtemp(prefix="io-", dir=data_dir.parent))
+    return runner.run(argv, REPO, io_dir, {"TXLM_DATA_DIR": str(data_dir), **env})
+
+
+def _train(runner, args: list[str], data_dir: Path) -> dict:
+    rc, out, err = _txlm(runner, ["train", "--preset", "debug", *args, "--json"], data_dir)
+    assert rc == 0, err
+    return json.loads(out.splitlines()[-1])
 
 
 def _rhymes(path: Path, lines: int = 400, seed: int = 0) -> Path:
@@ -53,24 +60,27 @@ def _rhymes(path: Path, lines: int = 400, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="module")
-def char_base(tmp_path_factory) -> tuple[Path, Path]:
+def char_base(tmp_path_factory, runner) -> tuple[Path, Path, object]:
     """A char checkpoint: the debug preset, 20 steps on the start of Hamlet."""
     root = tmp_path_factory.mktemp("char")
     text = tiny_text(root)
     data = root / "data"
     _train(
+        runner,
         [
             "--set", f"data.dataset=text:{text}", "optim.max_steps=20", "optim.lr=3e-3",
             "eval.final_eval=false", *RUN, "--out", str(root / "base"),
         ],
         data,
     )  # fmt: skip
-    return root, data
+    return root, data, runner
 
 
-def _finetune(root: Path, data: Path, out: str, *extra: str, steps: int = 30) -> dict:
+def _finetune(base, out: str, *extra: str, steps: int = 30) -> dict:
+    root, data, runner = base
     corpus = _rhymes(root / "rhymes.txt")
     return _train(
+        runner,
         [
             "--init", str(root / "base" / "best"),
             "--set", f"data.dataset=text:{corpus}", f"optim.max_steps={steps}",
@@ -81,9 +91,9 @@ def _finetune(root: Path, data: Path, out: str, *extra: str, steps: int = 30) ->
 
 
 def test_a_char_checkpoint_fine_tuned_learns_and_keeps_its_vocabulary(char_base):
-    root, data = char_base
+    root, data, _ = char_base
     base = root / "base" / "best"
-    summary = _finetune(root, data, "ft", "model.dropout=0.0")
+    summary = _finetune(char_base, "ft", "model.dropout=0.0")
     results = json.loads((root / "ft" / "results.json").read_text())
     assert results["init_valid"] == summary["init_valid"]
 
@@ -130,28 +140,23 @@ def test_a_char_checkpoint_fine_tuned_learns_and_keeps_its_vocabulary(char_base)
 def test_a_killed_fine_tuning_run_resumes_bit_for_bit(char_base):
     """Killed after step 7 (the fault seam), resumed from `last`: the same weights, Adam
     moments and init_valid as a run that was never interrupted (the same computation)."""
-    root, data = char_base
-    straight = _finetune(root, data, "straight", steps=12)
+    root, data, runner = char_base
+    straight = _finetune(char_base, "straight", steps=12)
     corpus = root / "rhymes.txt"
     argv = [
         "train", "--preset", "debug", "--init", str(root / "base" / "best"),
         "--set", f"data.dataset=text:{corpus}", "optim.max_steps=12", "optim.lr=3e-3",
         "run.save_interval=1", *RUN, "--out", str(root / "killed"),
     ]  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "txlm", *argv],
-        cwd=REPO,
-        env=subprocess_env(data, TXLM_FAULT="step:7:kill"),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == -9, proc.stderr
+    rc, _, err = _txlm(runner, argv, data, TXLM_FAULT="step:7:kill")
+    assert rc == -9, err
     state = json.loads((root / "killed" / "last" / "trainer_state.json").read_text())
     assert state["step"] == 6  # `last` as saved after step 6; step 7 was lost with the process
-    proc = txlm(["train", "--resume", str(root / "killed" / "last"), "--json"], data)
-    assert proc.returncode == 0, proc.stderr
-    resumed = json.loads(proc.stdout.splitlines()[-1])
+    rc, out, err = _txlm(
+        runner, ["train", "--resume", str(root / "killed" / "last"), "--json"], data
+    )
+    assert rc == 0, err
+    resumed = json.loads(out.splitlines()[-1])
     assert resumed["step"] == straight["step"] == 12
     # measured once by the killed process and carried in `last` (its timing aside)
     same = ("loss", "bpc", "tokens", "segments", "tgt_len", "mem_len")
@@ -196,7 +201,9 @@ def _word_corpus(path: Path, lines: int = 600, seed: int = 1) -> tuple[Path, str
     return path, text
 
 
-def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_share(tmp_path):
+def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_share(
+    tmp_path, runner
+):
     hf = tmp_path / "hf"
     save_tiny_hf(hf, safe=False)
     legacy = {
@@ -208,11 +215,14 @@ def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_s
     }
     torch.save(legacy, hf / "vocab.bin", _use_new_zipfile_serialization=False)  # published form
     data = tmp_path / "data"
-    proc = txlm(["convert", "--from", "hf", str(hf), "--out", str(tmp_path / "tx")], data)
-    assert proc.returncode == 0, proc.stderr
+    rc, _, err = _txlm(
+        runner, ["convert", "--from", "hf", str(hf), "--out", str(tmp_path / "tx")], data
+    )
+    assert rc == 0, err
     corpus, text = _word_corpus(tmp_path / "words.txt")
 
-    proc = txlm(
+    rc, out, err = _txlm(
+        runner,
         [
             "train", "--init", str(tmp_path / "tx"),
             "--set", f"data.dataset=text:{corpus}", "optim.max_steps=40", "optim.lr=1e-2",
@@ -221,7 +231,7 @@ def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_s
         ],
         data,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    assert rc == 0, err
     results = json.loads((tmp_path / "ft" / "results.json").read_text())
     assert results["valid"]["ppl"] < results["init_valid"]["ppl"] * 0.92, (
         results["init_valid"]["ppl"],
@@ -246,27 +256,28 @@ def test_a_converted_word_checkpoint_fine_tuned_learns_and_reports_its_unknown_s
     assert results["unknown_share"]["train"] == unknown / train_tokens
     assert 0.02 < results["unknown_share"]["train"] < 0.08  # about 5% of the words
     assert set(results["unknown_share"]) == {"train", "valid", "test"}
-    assert "unknown symbols (<unk>) in the corpus: train" in proc.stdout
+    assert "unknown symbols (<unk>) in the corpus: train" in out
 
     # the converted vocabulary, kept; and the fine-tuned model generates with it
     assert (tmp_path / "ft" / "best" / "vocab.json").read_bytes() == (
         tmp_path / "tx" / "vocab.json"
     ).read_bytes()
-    proc = txlm(
+    rc, out, err = _txlm(
+        runner,
         ["generate", str(tmp_path / "ft" / "best"), "--prompt", "the", "--max-new-tokens", "8",
          "--seed", "0"],
         data,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    assert all(w in SYMBOLS for w in proc.stdout.split()), proc.stdout
+    assert rc == 0, err
+    assert all(w in SYMBOLS for w in out.split()), out
 
 
 # -- optim.freeze ---------------------------------------------------------------------------
 
 
 def test_frozen_parameters_stay_the_checkpoints_and_hold_no_adam_state(char_base):
-    root, data = char_base
-    _finetune(root, data, "frozen", "optim.freeze=[embed]", steps=6)
+    root, _, _ = char_base
+    _finetune(char_base, "frozen", "optim.freeze=[embed]", steps=6)
     base = load_file(str(root / "base" / "best" / "model.safetensors"))
     tuned = load_file(str(root / "frozen" / "last" / "model.safetensors"))
     frozen = [k for k in base if k.startswith("embed.")]
