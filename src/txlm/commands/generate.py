@@ -18,16 +18,14 @@ from typing import Any
 
 import torch
 
-from txlm.checkpoint import load
+from txlm.checkpoint import Checkpoint
 from txlm.commands.options import add_device_options
 from txlm.devices import check_precision, resolve_device
-from txlm.errors import CheckpointError, ConfigError
+from txlm.errors import ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import stream
-from txlm.model.lengths import Lengths
 from txlm.prompts import encode_prompt, end_token, read_prompt_file, start_token
 from txlm.sampling import SamplingConfig
-from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
 
@@ -146,16 +144,11 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 
-    model = load(args.checkpoint, device=device)
-    vocab = checkpoint_vocab(args.checkpoint)
-    if len(vocab) != model.config.vocab_size:
-        raise CheckpointError(
-            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
-        )
+    ckpt = Checkpoint.open(args.checkpoint)
     # the lengths of this run only: the model keeps the ones it was built with
-    lengths = Lengths.of(
-        model.config, tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len
-    )
+    lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len)
+    vocab = ckpt.vocab()
+    model = ckpt.load_model(device)
     _check_memory(args, model, device, rows=len(texts) * args.num_samples, mem_len=lengths.mem_len)
 
     prompts = []
