@@ -83,6 +83,7 @@ def test_load_model_gives_the_saved_weights_in_eval_mode(trained: Path) -> None:
 
 def test_lengths_are_the_runs_evaluation_lengths_with_the_callers_overrides(trained) -> None:
     ckpt = Checkpoint.open(trained)
+    assert txlm.Lengths is Lengths  # public: the type every length argument takes
     assert ckpt.lengths() == Lengths(tgt_len=12, mem_len=40, clamp_len=30, same_length=True)
     assert ckpt.lengths(mem_len=7, same_length=False) == Lengths(12, 7, 30, False)
     assert ckpt.lengths(tgt_len=5, clamp_len=-1) == Lengths(5, 40, -1, True)
