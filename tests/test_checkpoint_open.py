@@ -169,6 +169,29 @@ def test_a_save_over_the_opened_copy_is_refused_not_mixed(tmp_path: Path, read: 
     assert Checkpoint.open(name).weights_sha256() != opened  # the new copy is another
 
 
+@pytest.mark.parametrize(
+    ("read", "reader"), [("vocab", "Vocab.load"), ("load_model", "load_model")]
+)
+def test_a_save_during_a_read_is_caught_after_it(tmp_path, monkeypatch, read, reader) -> None:
+    """The save lands after the check before the read: the reader then reads the new copy's
+    file, and the check after the read refuses what it read."""
+    import txlm.checkpoint as module
+
+    name = _save(tmp_path / "best", seed=0)
+    ckpt = Checkpoint.open(name)
+    owner, attr = (module.Vocab, "load") if reader == "Vocab.load" else (module, "load_model")
+    real = getattr(owner, attr)
+
+    def save_then_read(*args, **kwargs):
+        _save(name, seed=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, save_then_read)
+    with pytest.raises(CheckpointError, match="replaced after it was opened"):
+        getattr(ckpt, read)()
+    assert "vocab" not in ckpt._cache
+
+
 def test_a_checkpoint_moved_away_after_open_is_refused(tmp_path: Path) -> None:
     name = _save(tmp_path / "best")
     ckpt = Checkpoint.open(name)
