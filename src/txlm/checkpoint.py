@@ -455,8 +455,3 @@ def load_vocab(directory: str | Path) -> Vocab:
 def read_config(directory: str | Path) -> dict[str, Any]:
     """The parsed config.json of a txlm checkpoint, checked to be ours (``Checkpoint.data``)."""
     return Checkpoint.open(directory).data
-
-
-def vocab_fingerprint(directory: str | Path) -> str | None:
-    """``Checkpoint.vocab_fingerprint`` of the checkpoint at ``directory``."""
-    return Checkpoint.open(directory).vocab_fingerprint
