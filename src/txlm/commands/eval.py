@@ -28,16 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--split", default="test", choices=["train", "valid", "test"], help="default test"
     )
-    p.add_argument(
-        "--tgt-len", type=int, default=None, help="segment length (default: preset's eval)"
-    )
-    p.add_argument(
-        "--mem-len", type=int, default=None, help="memory length (default: preset's eval)"
-    )
+    # each length's default: the one the run evaluated with, else the model's (Checkpoint.lengths)
+    p.add_argument("--tgt-len", type=int, default=None, help="segment length (default: the run's)")
+    p.add_argument("--mem-len", type=int, default=None, help="memory length (default: the run's)")
     p.add_argument("--clamp-len", type=int, default=None, help="clamp relative distances (-1: off)")
     p.add_argument(
         "--same-length", action=argparse.BooleanOptionalAction, default=None,
-        help="every query sees the same number of keys (default: preset's eval)",
+        help="every query sees the same number of keys (default: the run's)",
     )  # fmt: skip
     p.add_argument(
         "--batch-size", type=int, default=None,
