@@ -59,11 +59,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"read at most the last N prompt tokens (default {DEFAULT_MAX_CONTEXT}; 0: all)",
     )
     # as in txlm eval: each default is the length the run evaluated with, else the model's
-    run = "(default: the run's evaluation length)"
-    p.add_argument("--mem-len", type=int, default=None, metavar="N", help=f"memory length {run}")
-    p.add_argument("--tgt-len", type=int, default=None, metavar="N", help=f"context segment {run}")
+    from_run = "(default: the run's evaluation length)"
     p.add_argument(
-        "--clamp-len", type=int, default=None, metavar="N", help=f"clamp relative distances {run}"
+        "--mem-len", type=int, default=None, metavar="N", help=f"memory length {from_run}"
+    )
+    p.add_argument(
+        "--tgt-len", type=int, default=None, metavar="N", help=f"context segment {from_run}"
+    )
+    p.add_argument(
+        "--clamp-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"clamp relative distances {from_run}",
     )
     add_device_options(p, precision=True)
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
