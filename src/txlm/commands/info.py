@@ -77,11 +77,11 @@ def ablation_table() -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from txlm.checkpoint import load, read_config
+        from txlm.checkpoint import Checkpoint
 
-        data = read_config(args.checkpoint)
-        model = load(args.checkpoint)
-        summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **data}
+        ckpt = Checkpoint.open(args.checkpoint)
+        model = ckpt.load_model()
+        summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **ckpt.data}
         print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
         return 0
     rows = preset_table()

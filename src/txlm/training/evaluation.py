@@ -120,14 +120,18 @@ def final_evaluation(
     e = config.eval
     if e.sample_tokens > 0:
         t0 = time.perf_counter()
-        # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
-        # then gives the same text there
+        # the run's evaluation lengths, which `txlm generate CKPT` reads from the checkpoint
+        # (Checkpoint.lengths): the same seed then gives the same text there
+        lengths = model.lengths.replace(
+            tgt_len=e.eval_tgt_len, mem_len=e.eval_mem_len, clamp_len=e.eval_clamp_len,
+            same_length=e.same_length,
+        )  # fmt: skip
         # a corpus prepared lower-cased (a converted tokenizer's option): the prompt too
         lower = bool(corpus.meta.get("tokenizer", {}).get("lower_case"))
         prompt = normalize_text(e.sample_prompt, {"lower_case": lower})
         text = sample_text(
             model, corpus.vocab, prompt, e.sample_tokens, top_k=e.sample_top_k,
-            seed=config.run.seed,
+            seed=config.run.seed, lengths=lengths,
         )  # fmt: skip
         summary["sample"] = text
         summary["sample_seconds"] = time.perf_counter() - t0
