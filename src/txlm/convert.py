@@ -393,12 +393,18 @@ def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
 
 
 def text_options(config_data: dict[str, Any]) -> dict[str, Any]:
-    """How text is normalised before a converted checkpoint's vocabulary encodes it, from
-    the options its tokenizer recorded at conversion (``converted_from.tokenizer`` in
-    config.json): ``lower_case``. A txlm-trained checkpoint has none: text as it is."""
+    """How text is normalised before a checkpoint's vocabulary encodes it: the options a
+    converted tokenizer recorded (``converted_from.tokenizer`` in config.json), which a run
+    fine-tuned from it carries on (``init.text``): ``lower_case``. A checkpoint trained on
+    txlm's own vocabulary has none: text as it is."""
     converted = config_data.get("converted_from")
     tokenizer = converted.get("tokenizer") if isinstance(converted, dict) else None
-    lower = isinstance(tokenizer, dict) and tokenizer.get("lower_case") is True
+    init = config_data.get("init")
+    inherited = init.get("text") if isinstance(init, dict) else None
+    lower = any(
+        isinstance(options, dict) and options.get("lower_case") is True
+        for options in (tokenizer, inherited)
+    )
     return {"lower_case": lower}
 
 
