@@ -445,7 +445,10 @@ def convert_hf(
     if vocab_file is None:
         notes.append("no vocab.pkl/vocab.bin: the checkpoint has no vocab.json")
     if tokenizer.get("lower_case"):
-        notes.append("the tokenizer lower-cased its input: lower-case text before encoding")
+        notes.append(
+            "the tokenizer lower-cased its input: txlm generate, eval --file and train --init "
+            "lower-case text before encoding it (txlm.convert.normalize_text)"
+        )
     if hf_config.get("mem_len", 0) > 0:
         notes.append(
             "HF's forward starts from mem_len zero vectors when mems=None; txlm (like the "

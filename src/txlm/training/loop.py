@@ -30,7 +30,8 @@ components with their own state: counters, memory, RNG; Adam's moments without p
 ``evaluation`` (validation, the final evaluation and sample), ``metrics`` (JSONL,
 TensorBoard, progress, ETA), ``objective`` (which positions count), ``precision`` (bf16
 compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism`` (``run.deterministic``,
-scoped to the run's work).
+scoped to the run's work), ``init`` (a run that starts from a checkpoint's model and
+vocabulary: fine-tuning).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
