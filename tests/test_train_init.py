@@ -357,3 +357,25 @@ def test_a_corpus_encoded_with_a_given_vocabulary_never_shares_a_folder_with_its
     assert spelt.vocab.fingerprint == own.vocab.fingerprint
     # the same ids as the given vocabulary encodes the text to (its own numbering kept)
     assert tuned.split("train").tolist() == given.encode(text)[: len(tuned.split("train"))]
+
+
+def test_a_configuration_with_init_set_by_hand_must_hold_the_checkpoints_model(char_base):
+    """Python users may set ``init`` themselves; a model section that is not the
+    checkpoint's is refused by name before anything is read or prepared."""
+    from txlm.errors import ConfigError
+    from txlm.training import Trainer
+    from txlm.training.config import resolve
+    from txlm.training.init import open_init
+
+    root, _, _ = char_base
+    corpus = _rhymes(root / "rhymes.txt")
+    sets = [f"data.dataset=text:{corpus}", f"data.data_dir={root / 'data'}"]
+    config = resolve("debug", None, [*sets, "model.n_layer=3"])
+    config.init = str(root / "base" / "best")
+    with pytest.raises(ConfigError, match=r"model\.n_layer"):
+        Trainer(config, root / "by-hand", echo=False)
+    assert not (root / "by-hand").exists()
+    # through resolve(..., init=...) the same settings but for n_layer are a run
+    config = resolve("debug", None, sets, init=open_init(root / "base" / "best"))
+    trainer = Trainer(config, root / "by-api", echo=False)
+    assert trainer.model_config == open_init(root / "base" / "best").model_config

@@ -68,6 +68,19 @@ def init_from(ckpt: Checkpoint, config: Any) -> Any:
     return config
 
 
+def check_same_model(ckpt: Checkpoint, model_config: Any) -> None:
+    """Refuse a run configuration whose model is not ``ckpt``'s but for the tunable keys (one
+    with ``init`` set by hand instead of through ``init_from``)."""
+    mine, theirs = model_config.to_dict(), ckpt.model_config.to_dict()
+    differ = sorted(k for k in theirs if k not in TUNABLE_MODEL_KEYS and mine.get(k) != theirs[k])
+    if differ:
+        raise ConfigError(
+            f"the configuration's model differs from the --init checkpoint's in "
+            f"model.{', model.'.join(differ)}: build it with txlm.training.init.init_from "
+            "(or resolve(..., init=...))"
+        )
+
+
 def init_record(ckpt: Checkpoint) -> dict[str, Any]:
     """What a run records of its start."""
     return {"path": str(ckpt.path.resolve()), "weights_sha256": ckpt.weights_sha256()}

@@ -74,7 +74,7 @@ from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import init_record, open_init
+from txlm.training.init import check_same_model, init_record, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -247,6 +247,7 @@ class Trainer:
         ckpt = open_init(self.config.init)
         self.init = {**init_record(ckpt), "text": text_options(ckpt.data)}
         vocab = ckpt.vocab()
+        check_same_model(ckpt, self.config.model_config(len(vocab)))
         # Its size checked before its weights are read, and its weights read before the
         # corpus is prepared: a refused --init leaves nothing behind.
         self._check_resources(self.config.model_config(len(vocab)), world)
