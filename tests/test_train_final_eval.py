@@ -40,3 +40,5 @@ def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(tmp_path, 
         assert lines and lines[-1] == (str(segments), str(segments)), err
         done = [int(d) for d, _ in lines]
         assert done == sorted(set(done))
+    # the run's own (capped) validations stay quiet: a line per tenth only for whole splits
+    assert not re.search(r"^valid: \d+/\d+ segments", err, re.M), err

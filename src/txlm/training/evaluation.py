@@ -34,7 +34,7 @@ def evaluate_split(
     when ``full`` the split's first ``eval.final_max_tokens`` tokens (None: all of them).
 
     Progress: a bar on a terminal; into a file (stderr redirected), a line at every tenth
-    of the segments, so a long evaluation shows in a log that it is moving.
+    of the segments of a ``full`` evaluation, so a long one shows in a log that it moves.
     """
     e = config.eval
     tokens = corpus.split(split)
@@ -61,7 +61,7 @@ def evaluate_split(
         tokens_per_byte=corpus.tokens_per_byte(split),
         progress=show and terminal,
         desc=desc or split,
-        on_segment=_progress_lines(desc or split) if show and not terminal else None,
+        on_segment=_progress_lines(desc or split) if show and full and not terminal else None,
     )
     result["split"] = split
     result["split_tokens"] = len(tokens)
