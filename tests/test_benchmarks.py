@@ -64,6 +64,7 @@ def test_compare_quick_run_writes_ratios(tmp_path):
             "--workloads", "train,eval_m128", "--threads", "1", "--out", str(out)]  # fmt: skip
     assert compare.main(argv) == 0
     result = json.loads(out.read_text())
+    assert result["cpu"] == compare.cpu_name() != ""  # the CPU the ratios belong to
     assert result["parity_max_abs_logprob_diff"]["cpu"] < 1e-4
     rows = {r["workload"]: r for r in result["results"]}
     assert set(rows) == {"train", "eval_m128"}

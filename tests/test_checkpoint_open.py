@@ -83,6 +83,7 @@ def test_load_model_gives_the_saved_weights_in_eval_mode(trained: Path) -> None:
 
 def test_lengths_are_the_runs_evaluation_lengths_with_the_callers_overrides(trained) -> None:
     ckpt = Checkpoint.open(trained)
+    assert txlm.Lengths is Lengths  # public: the type every length argument takes
     assert ckpt.lengths() == Lengths(tgt_len=12, mem_len=40, clamp_len=30, same_length=True)
     assert ckpt.lengths(mem_len=7, same_length=False) == Lengths(12, 7, 30, False)
     assert ckpt.lengths(tgt_len=5, clamp_len=-1) == Lengths(5, 40, -1, True)
@@ -168,6 +169,29 @@ def test_a_save_over_the_opened_copy_is_refused_not_mixed(tmp_path: Path, read: 
     assert Checkpoint.open(name).weights_sha256() != opened  # the new copy is another
 
 
+@pytest.mark.parametrize(
+    ("read", "reader"), [("vocab", "Vocab.load"), ("load_model", "load_model")]
+)
+def test_a_save_during_a_read_is_caught_after_it(tmp_path, monkeypatch, read, reader) -> None:
+    """The save lands after the check before the read: the reader then reads the new copy's
+    file, and the check after the read refuses what it read."""
+    import txlm.checkpoint as module
+
+    name = _save(tmp_path / "best", seed=0)
+    ckpt = Checkpoint.open(name)
+    owner, attr = (module.Vocab, "load") if reader == "Vocab.load" else (module, "load_model")
+    real = getattr(owner, attr)
+
+    def save_then_read(*args, **kwargs):
+        _save(name, seed=1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, attr, save_then_read)
+    with pytest.raises(CheckpointError, match="replaced after it was opened"):
+        getattr(ckpt, read)()
+    assert "vocab" not in ckpt._cache
+
+
 def test_a_checkpoint_moved_away_after_open_is_refused(tmp_path: Path) -> None:
     name = _save(tmp_path / "best")
     ckpt = Checkpoint.open(name)
@@ -188,3 +212,67 @@ def test_a_hub_name_that_is_no_folder_says_how_to_convert_it(tmp_path, monkeypat
     with pytest.raises(CheckpointError) as info:
         txlm.load(tmp_path / "a" / "b" / "c")  # a path of three parts: no Hub name
     assert "convert" not in str(info.value)
+
+
+# Runs `python -m txlm ARGS` (runpy: the very module `-m` runs) with an audit hook that
+# counts every open of the checkpoint's config.json; the count goes to a file at exit.
+_COUNTING = """
+import atexit, os, runpy, sys
+target = os.path.realpath(os.environ["COUNT_OPENS_OF"])
+opens = []
+def hook(event, args):
+    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        if os.path.realpath(os.fsdecode(args[0])) == target:
+            opens.append(1)
+sys.addaudithook(hook)
+atexit.register(lambda: open(os.environ["COUNT_OUT"], "w").write(str(len(opens))))
+sys.argv = ["txlm", *sys.argv[1:]]
+runpy.run_module("txlm", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory) -> Path:
+    """A checkpoint of a run on a prepared text corpus, as `txlm train` leaves it."""
+    from reliability_helpers import corpus_text
+    from txlm.data import load_prepared, prepare_dataset
+
+    root = tmp_path_factory.mktemp("opens")
+    (root / "corpus.txt").write_text(corpus_text(60))
+    name = f"text:{root / 'corpus.txt'}"
+    corpus = load_prepared(prepare_dataset(name, root / "data", progress=False))
+    train = {"data": {"dataset": name, "data_dir": str(root / "data")}, "eval": EVAL}
+    torch.manual_seed(0)
+    model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=len(corpus.vocab)))
+    extra = {"vocab_fingerprint": corpus.vocab.fingerprint, "train": train}
+    return save(model, root / "run" / "best", vocab=corpus.vocab, extra_config=extra)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "{ckpt}", "--split", "valid", "--max-steps", "2", "--json"],
+        ["eval", "{ckpt}", "--file", "{text}", "--json"],
+        ["generate", "{ckpt}", "--prompt", "The", "--max-new-tokens", "3", "--seed", "0"],
+        ["info", "{ckpt}", "--json"],
+    ],
+    ids=["eval-split", "eval-file", "generate", "info"],
+)
+def test_each_command_opens_config_json_once(text_run: Path, tmp_path: Path, argv) -> None:
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    text = tmp_path / "notes.txt"
+    text.write_text("The cat sat on the mat.\n" * 4)
+    count = tmp_path / "count"
+    args = [a.format(ckpt=text_run, text=text) for a in argv]
+    env = subprocess_env(COUNT_OPENS_OF=str(text_run / CONFIG_FILE), COUNT_OUT=str(count))
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNTING, *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()  # the command did its work
+    assert count.read_text() == "1"

@@ -33,7 +33,6 @@ def _config(tmp_path):
         "run.log_interval=1",
         "run.tensorboard=false",
         "run.progress=false",
-        "run.threads=1",
     )
 
 

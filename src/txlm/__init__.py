@@ -16,12 +16,14 @@ from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
 from txlm.generate import generate
 from txlm.model import TransformerXL, TransformerXLOutput
+from txlm.model.lengths import Lengths
 from txlm.score import score
 
 __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "Lengths",
     "ModelConfig",
     "TransformerXL",
     "TransformerXLOutput",

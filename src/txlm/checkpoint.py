@@ -27,7 +27,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -284,13 +284,11 @@ class Checkpoint:
         path = self.path / VOCAB_FILE
         if not self.has_vocab:
             raise CheckpointError(f"{self.path} has no {VOCAB_FILE}: cannot encode text")
-        self._unchanged()
-        try:
-            vocab = Vocab.load(path)
-        except DataError as exc:  # the checkpoint is what is damaged, not a dataset
-            self._unchanged()  # a file deleted by a swap: say so, not that it is damaged
-            raise CheckpointError(str(exc)) from None
-        self._unchanged()
+        with self._reading():
+            try:
+                vocab = Vocab.load(path)
+            except DataError as exc:  # the checkpoint is what is damaged, not a dataset
+                raise CheckpointError(str(exc)) from None
         what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
         check_fingerprint(
             vocab,
@@ -316,9 +314,8 @@ class Checkpoint:
                 f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
                 "use txlm classify or txlm.load_classifier"
             )
-        self._unchanged()
-        model = _load_weights(self.path, self.model_config, device)
-        self._unchanged()
+        with self._reading():
+            model = _load_weights(self.path, self.model_config, device)
         if align.wanted(align_heads, device):
             align.pad_model(model)
         return model.eval()
@@ -326,18 +323,28 @@ class Checkpoint:
     def weights_sha256(self) -> str:
         """The hex SHA-256 of model.safetensors (identifies the weights, whatever the path)."""
         if "sha256" not in self._cache:
-            self._unchanged()
-            try:
-                with open(self.path / WEIGHTS_FILE, "rb") as f:
-                    digest = hashlib.file_digest(f, "sha256").hexdigest()
-            except OSError as exc:
-                self._unchanged()
-                raise CheckpointError(
-                    f"cannot read {self.path / WEIGHTS_FILE}: {exc.strerror or exc}"
-                ) from None
-            self._unchanged()
+            weights = self.path / WEIGHTS_FILE
+            with self._reading():
+                try:
+                    with open(weights, "rb") as f:
+                        digest = hashlib.file_digest(f, "sha256").hexdigest()
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read {weights}: {exc.strerror or exc}") from None
             self._cache["sha256"] = digest
         return self._cache["sha256"]
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around a read of the checkpoint's files: the directory at ``path`` is the one opened
+        before and after it, so what was read came from that copy. A file that a save over it
+        removed mid-read is reported as the save, not as a damaged checkpoint."""
+        self._unchanged()
+        try:
+            yield
+        except CheckpointError:
+            self._unchanged()
+            raise
+        self._unchanged()
 
     def _unchanged(self) -> None:
         """Refuse to read on when ``path`` no longer names the directory that was opened."""
@@ -453,8 +460,3 @@ def load_vocab(directory: str | Path) -> Vocab:
 def read_config(directory: str | Path) -> dict[str, Any]:
     """The parsed config.json of a txlm checkpoint, checked to be ours (``Checkpoint.data``)."""
     return Checkpoint.open(directory).data
-
-
-def vocab_fingerprint(directory: str | Path) -> str | None:
-    """``Checkpoint.vocab_fingerprint`` of the checkpoint at ``directory``."""
-    return Checkpoint.open(directory).vocab_fingerprint

@@ -160,9 +160,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     code = int(summary.get("exit_code", 0))
     if trainer.dist.enabled:
-        # Under torchrun with gloo (torch 2.13) a rank sometimes aborts after Python is done,
-        # in C++ teardown ("terminate called without an active exception", no Python frame;
-        # ~1 run in 10 on a busy 2-core machine), and torchrun then reports the run failed.
+        # Under torchrun with gloo (torch 2.13) a rank can abort after Python is done, in C++
+        # teardown ("terminate called without an active exception", no Python frame), and
+        # torchrun then reports the run failed.
         # Everything is written, closed and the process group left by now: skip the teardown.
         sys.stdout.flush()
         sys.stderr.flush()

@@ -54,8 +54,8 @@ def prepared_folder(
     """Where ``prepare_dataset(name, data_dir, level=level, vocab=vocab, ...)`` keeps its copy.
 
     A copy encoded with a given vocabulary (a checkpoint's) carries its level and fingerprint
-    in the name: it can never be taken for the copy with the corpus's own vocabulary, nor
-    for one encoded with another checkpoint's.
+    in the name, after a "+" that no name of the corpus's own copies holds: it can never be
+    taken for a copy with the corpus's own vocabulary, nor for one with another checkpoint's.
     """
     if recall.is_recall(name):
         return Path(data_dir) / recall.parse_spec(name).folder_name
@@ -65,7 +65,8 @@ def prepared_folder(
         return Path(data_dir) / sources.out_name(kind, level, user_path)
     base = sources.out_name(kind, SPECS[kind].default_level, user_path)
     suffix = "-lower" if lower_case else ""
-    return Path(data_dir) / f"{base}-{vocab.level}-vocab-{vocab.fingerprint}{suffix}"
+    # "+": never in a name of the corpus's own copies (text: stems keep [A-Za-z0-9_.-])
+    return Path(data_dir) / f"{base}+{vocab.level}-vocab-{vocab.fingerprint}{suffix}"
 
 
 def prepare_dataset(
@@ -254,10 +255,14 @@ def _prepare_with_vocab(
 
 
 def _lower_cased(raw: RawCorpus) -> RawCorpus:
+    from txlm.convert import normalize_text  # the one rule, shared with whatever encodes text
+
+    options = {"lower_case": True}
+
     def lowered(source: SplitSource) -> SplitSource:
         def pieces() -> Iterator[Piece]:
             for text, new_doc in source.pieces():
-                yield (text.lower() if isinstance(text, str) else text), new_doc
+                yield (normalize_text(text, options) if isinstance(text, str) else text), new_doc
 
         return SplitSource(pieces, line_docs=source.line_docs)
 
@@ -266,12 +271,14 @@ def _lower_cased(raw: RawCorpus) -> RawCorpus:
 
 
 def _refuse_all_unknown(vocab: Vocab, train_counts: np.ndarray, name: str) -> None:
-    """A corpus of which the vocabulary knows nothing would train the model on ``<unk>``."""
+    """A corpus of which the vocabulary knows nothing but spaces, line ends and its special
+    symbols would train the model on ``<unk>``."""
     if vocab.unk_id is None:
         return
     specials = {i for i in (vocab.unk_id, vocab.eos_id, vocab.bos_id) if i is not None}
-    known = int(train_counts.sum()) - sum(int(train_counts[i]) for i in specials)
-    if known == 0:
+    blank = {i for i, sym in enumerate(vocab.symbols) if not sym.strip()}
+    seen = np.flatnonzero(train_counts)
+    if all(int(i) in specials or int(i) in blank for i in seen):
         raise DataError(
             f"every symbol of {name}'s train split becomes {vocab.unk} with the checkpoint's "
             f"{vocab.level} vocabulary: nothing to learn from"

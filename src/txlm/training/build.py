@@ -14,6 +14,7 @@ from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.data import PreparedCorpus, SentenceStreamIterator, StreamIterator, open_corpus
 from txlm.data.vocab import Vocab
+from txlm.errors import ConfigError
 from txlm.training.config import TrainConfig
 
 
@@ -77,6 +78,25 @@ def training_stream(
         seed=config.run.seed,
         device=device,
     )
+
+
+def frozen_parameters(model: nn.Module, prefixes: list[str]) -> list[nn.Parameter]:
+    """The parameters ``optim.freeze`` keeps as they are: those with a name (any of a tied
+    tensor's names) starting with one of ``prefixes``; a prefix that names none is refused."""
+    frozen: dict[int, nn.Parameter] = {}
+    names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+    for prefix in prefixes:
+        hits = [(n, p) for n, p in model.named_parameters(remove_duplicate=False)
+                if n == prefix or n.startswith(prefix.rstrip(".") + ".")]  # fmt: skip
+        if not hits:
+            tops = sorted({n.split(".")[0] for n in names})
+            raise ConfigError(
+                f"optim.freeze: {prefix!r} names no parameter (names start with {', '.join(tops)})"
+            )
+        frozen.update((id(p), p) for _, p in hits)
+    if frozen and len(frozen) == len({id(p) for p in model.parameters()}):
+        raise ConfigError("optim.freeze covers every parameter: nothing would train")
+    return list(frozen.values())
 
 
 def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:

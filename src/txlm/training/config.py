@@ -58,6 +58,9 @@ class OptimConfig:
     # Which positions the loss counts (txlm.training.objective): full, or half (the last
     # L/2 of each segment: the paper's Table 6 ablation objective).
     loss: Literal["full", "half"] = "full"
+    # Parameter-name prefixes to keep as they are (no gradient, no Adam state), e.g. a large
+    # word model's embedding and softmax when fine-tuning: [embed, softmax].
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from txlm import checkpoint
+from txlm.convert import normalize_text
 from txlm.data import PreparedCorpus
 from txlm.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
@@ -33,7 +34,7 @@ def evaluate_split(
     when ``full`` the split's first ``eval.final_max_tokens`` tokens (None: all of them).
 
     Progress: a bar on a terminal; into a file (stderr redirected), a line at every tenth
-    of the segments, so a long evaluation shows in a log that it is moving.
+    of the segments of a ``full`` evaluation, so a long one shows in a log that it moves.
     """
     e = config.eval
     tokens = corpus.split(split)
@@ -60,7 +61,7 @@ def evaluate_split(
         tokens_per_byte=corpus.tokens_per_byte(split),
         progress=show and terminal,
         desc=desc or split,
-        on_segment=_progress_lines(desc or split) if show and not terminal else None,
+        on_segment=_progress_lines(desc or split) if show and full and not terminal else None,
     )
     result["split"] = split
     result["split_tokens"] = len(tokens)
@@ -101,7 +102,9 @@ def final_evaluation(
     metric = corpus.metric
     summary: dict[str, Any] = {"metric": metric}
     for split in ("valid", "test"):
-        result = evaluate_split(model, corpus, config, split, full=True, echo=echo)
+        result = evaluate_split(
+            model, corpus, config, split, full=True, echo=echo, desc=f"final {split}"
+        )
         summary[split] = result
         if echo:
             part = (
@@ -117,11 +120,18 @@ def final_evaluation(
     e = config.eval
     if e.sample_tokens > 0:
         t0 = time.perf_counter()
-        # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
-        # then gives the same text there
+        # the run's evaluation lengths, which `txlm generate CKPT` reads from the checkpoint
+        # (Checkpoint.lengths): the same seed then gives the same text there
+        lengths = model.lengths.replace(
+            tgt_len=e.eval_tgt_len, mem_len=e.eval_mem_len, clamp_len=e.eval_clamp_len,
+            same_length=e.same_length,
+        )  # fmt: skip
+        # a corpus prepared lower-cased (a converted tokenizer's option): the prompt too
+        lower = bool(corpus.meta.get("tokenizer", {}).get("lower_case"))
+        prompt = normalize_text(e.sample_prompt, {"lower_case": lower})
         text = sample_text(
-            model, corpus.vocab, e.sample_prompt, e.sample_tokens, top_k=e.sample_top_k,
-            seed=config.run.seed,
+            model, corpus.vocab, prompt, e.sample_tokens, top_k=e.sample_top_k,
+            seed=config.run.seed, lengths=lengths,
         )  # fmt: skip
         summary["sample"] = text
         summary["sample_seconds"] = time.perf_counter() - t0

@@ -8,17 +8,15 @@ differ from training's). Everything else of a run starts fresh: optimizer, sched
 counters, memory and the data stream.
 
 ``init_from(ckpt, config)`` is the one place that turns a checkpoint and a resolved
-configuration into the run's configuration; ``load_init_weights`` copies the checkpoint's
-weights into the freshly built model; ``init_record`` is what the run records of its start
-(the checkpoint's path and the sha256 of its weights).
+configuration into the run's configuration (the trainer then copies the checkpoint's
+weights into the model it builds from it); ``init_record`` is what the run records of its
+start (the checkpoint's path and the sha256 of its weights).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
-
-from torch import nn
 
 from txlm.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
@@ -29,20 +27,13 @@ TUNABLE_MODEL_KEYS = ("dropout", "dropatt", "tgt_len", "mem_len", "clamp_len", "
 
 def open_init(path: str | Path) -> Checkpoint:
     """The checkpoint to start from; it must carry the vocabulary its model reads."""
-    if not Path(path).exists() and not Path(str(path) + ".old").exists():
-        raise CheckpointError(f"--init {path}: no such checkpoint")
     ckpt = Checkpoint.open(path)
     if not ckpt.has_vocab:
         raise CheckpointError(
             f"--init {ckpt.path} has no vocab.json: the new corpus must be encoded with the "
             "vocabulary the model was trained with"
         )
-    vocab = ckpt.vocab()  # fingerprint checked
-    if len(vocab) != ckpt.model_config.vocab_size:
-        raise CheckpointError(
-            f"--init {ckpt.path}: vocab.json has {len(vocab)} symbols, the model "
-            f"{ckpt.model_config.vocab_size}"
-        )
+    ckpt.vocab()  # read now: its fingerprint and size checked against the model
     return ckpt
 
 
@@ -77,19 +68,19 @@ def init_from(ckpt: Checkpoint, config: Any) -> Any:
     return config
 
 
-def text_options(ckpt_data: dict[str, Any]) -> dict[str, Any]:
-    """How text is normalised before the checkpoint's vocabulary encodes it: the options a
-    converted tokenizer recorded (``converted_from.tokenizer``; lower case)."""
-    tokenizer = (ckpt_data.get("converted_from") or {}).get("tokenizer") or {}
-    return {"lower_case": bool(tokenizer.get("lower_case", False))}
+def check_same_model(ckpt: Checkpoint, model_config: Any) -> None:
+    """Refuse a run configuration whose model is not ``ckpt``'s but for the tunable keys (one
+    with ``init`` set by hand instead of through ``init_from``)."""
+    mine, theirs = model_config.to_dict(), ckpt.model_config.to_dict()
+    differ = sorted(k for k in theirs if k not in TUNABLE_MODEL_KEYS and mine.get(k) != theirs[k])
+    if differ:
+        raise ConfigError(
+            f"the configuration's model differs from the --init checkpoint's in "
+            f"model.{', model.'.join(differ)}: build it with txlm.training.init.init_from "
+            "(or resolve(..., init=...))"
+        )
 
 
 def init_record(ckpt: Checkpoint) -> dict[str, Any]:
     """What a run records of its start."""
     return {"path": str(ckpt.path.resolve()), "weights_sha256": ckpt.weights_sha256()}
-
-
-def load_init_weights(model: nn.Module, ckpt: Checkpoint) -> None:
-    """Copy ``ckpt``'s weights into ``model``, built (unaligned) from the checkpoint's model
-    configuration with at most the tunable keys changed: none of them shapes a weight."""
-    model.load_state_dict(ckpt.load_model(device="cpu", align_heads=False).state_dict())

@@ -30,7 +30,8 @@ components with their own state: counters, memory, RNG; Adam's moments without p
 ``evaluation`` (validation, the final evaluation and sample), ``metrics`` (JSONL,
 TensorBoard, progress, ETA), ``objective`` (which positions count), ``precision`` (bf16
 compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism`` (``run.deterministic``,
-scoped to the run's work).
+scoped to the run's work), ``init`` (a run that starts from a checkpoint's model and
+vocabulary: fine-tuning).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -57,11 +58,14 @@ from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
 from txlm.checkpoint import Checkpoint
 from txlm.config import ModelConfig
+from txlm.convert import text_options
+from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
 from txlm.training.build import (
     build_optimizer,
+    frozen_parameters,
     open_training_corpus,
     training_stream,
     unknown_shares,
@@ -71,7 +75,7 @@ from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import init_record, load_init_weights, open_init, text_options
+from txlm.training.init import check_same_model, init_record, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -131,21 +135,8 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        # A run started from a checkpoint: its record (path, weights' sha256, text options,
-        # init_valid once measured) travels in every checkpoint's config.json, so a resumed
-        # run reads it, and the vocabulary, from the checkpoint it resumes.
-        self.init: dict[str, Any] | None = None
-        init_ckpt = None
-        given_vocab = None
-        if config.init is not None:
-            if resume is not None:
-                resumed = Checkpoint.open(resume)
-                self.init = dict(resumed.data.get("init") or {})
-                given_vocab = resumed.vocab()
-            else:
-                init_ckpt = open_init(config.init)
-                self.init = {**init_record(init_ckpt), "text": text_options(init_ckpt.data)}
-                given_vocab = init_ckpt.vocab()
+        self.init: dict[str, Any] | None = None  # a run started from a checkpoint: its record
+        given_vocab, init_model = self._start_from(resume, world)
         # task: classify: labelled documents (classes:DIR) in place of the token corpus
         self.task = _classify_task(config, given_vocab, self.dist, self.echo)
         if self.task is None:
@@ -166,7 +157,7 @@ class Trainer:
         else:
             self.stream = self.task.stream(self.model_config, self.dist, self.device)
         self._batches: Any = iter(())  # started lazily, after a resume has set the position
-        resources.check_training(self.model_config, self.device, config, world)
+        self._check_resources(self.model_config, world)
         self.objective = OBJECTIVES[config.optim.loss]
 
         # Model and optimizer. Every rank builds the same initial weights from the seed.
@@ -179,12 +170,15 @@ class Trainer:
             else self.task.build_model(self.model_config)  # the body and a new head
         )
         body = self.model if self.task is None else self.model.body
-        if init_ckpt is not None:
-            load_init_weights(body, init_ckpt)
+        if init_model is not None:
+            body.load_state_dict(init_model.state_dict())
+            del init_model
         self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
             align.pad_model(body)  # before the optimizer: its state takes these shapes
         self.model.train()
+        for p in frozen_parameters(self.model, config.optim.freeze):
+            p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
         self.optimizer = build_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
@@ -257,6 +251,39 @@ class Trainer:
             device=self.device,
             compiled=self.compiled,
         )
+
+    def _start_from(
+        self, resume: str | Path | None, world: int
+    ) -> tuple[Vocab | None, TransformerXL | None]:
+        """A run started from a checkpoint (``config.init``): the vocabulary its corpus is
+        encoded with and, for a new run, the checkpoint's model. Its record (path, weights'
+        sha256, text options, init_valid once measured) travels in every checkpoint's
+        config.json, so a resumed run reads it, and the vocabulary, from the one it resumes.
+        """
+        if self.config.init is None:
+            return None, None
+        if resume is not None:
+            resumed = Checkpoint.open(resume)
+            self.init = dict(resumed.data.get("init") or {})
+            return resumed.vocab(), None
+        ckpt = open_init(self.config.init)
+        self.init = {**init_record(ckpt), "text": text_options(ckpt.data)}
+        vocab = ckpt.vocab()
+        check_same_model(ckpt, self.config.model_config(len(vocab)))
+        # Its size checked before its weights are read, and its weights read before the
+        # corpus is prepared: a refused --init leaves nothing behind.
+        self._check_resources(self.config.model_config(len(vocab)), world)
+        return vocab, ckpt.load_model(device="cpu", align_heads=False)
+
+    def _check_resources(self, model_config: ModelConfig, world: int) -> None:
+        """Refuse a run whose step cannot fit, before its model is allocated: the frozen
+        parameters counted on a model on the meta device (no memory)."""
+        frozen = 0
+        if self.config.optim.freeze:
+            with torch.device("meta"):
+                shape = TransformerXL(model_config)
+            frozen = sum(p.numel() for p in frozen_parameters(shape, self.config.optim.freeze))
+        resources.check_training(model_config, self.device, self.config, world, frozen=frozen)
 
     # -- the counters, by their established names ----------------------------------------------
     @property
