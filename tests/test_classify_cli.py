@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from _classify_helpers import LENGTH, MARKERS, label_folders, marker_documents, tiny_lm
 from _train_helpers import assert_same_run
@@ -135,6 +136,24 @@ def test_a_paused_and_resumed_run_ends_as_a_straight_one(runner, tmp_path) -> No
     assert rc == 0, err
     # 24 training documents in batches of 8: the resumed run crosses into the second epoch
     assert_same_run(tmp_path / "straight", tmp_path / "paused", 6)
+
+
+def test_a_frozen_body_trains_only_the_head(runner, tmp_path) -> None:
+    """``optim.freeze=[body]`` (a linear probe): the body ends as the language model was."""
+    from _train_helpers import weights
+
+    tiny_lm(tmp_path / "lm")
+    marker_documents(tmp_path / "ds", {"train": 8, "valid": 4})
+    argv = train_argv("optim.max_steps=3", "eval.final_eval=false", "optim.freeze=[body]")
+    rc, _, err = run(runner, tmp_path, argv)
+    assert rc == 0, err
+    trained, lm = weights(tmp_path / "run" / "last"), weights(tmp_path / "lm")
+    assert all(torch.equal(trained[f"body.{k}"], v) for k, v in lm.items())
+    # Adam kept moments for the head's weight and bias only
+    from safetensors.torch import load_file
+
+    moments = load_file(str(tmp_path / "run" / "last" / "optimizer.safetensors"))
+    assert len({key.split(".")[0] for key in moments}) == 2
 
 
 # -- bad input (contract C24: one line, exit 2, nothing on disk changed) ---------------------

@@ -57,6 +57,7 @@ from torch import Tensor
 from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
 from txlm.checkpoint import Checkpoint
+from txlm.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.convert import text_options
 from txlm.data.vocab import Vocab
@@ -281,7 +282,9 @@ class Trainer:
         frozen = 0
         if self.config.optim.freeze:
             with torch.device("meta"):
-                shape = TransformerXL(model_config)
+                shape: Any = TransformerXL(model_config)
+                if self.config.task == "classify":  # its names: body.*, head.* (any 2 labels)
+                    shape = Classifier(shape, ClassifierConfig(("0", "1")))
             frozen = sum(p.numel() for p in frozen_parameters(shape, self.config.optim.freeze))
         resources.check_training(model_config, self.device, self.config, world, frozen=frozen)
 
