@@ -153,7 +153,7 @@ class Classifier(nn.Module):
         mems: list[Tensor] | None = None
         mem_mask: Tensor | None = None
         grad = torch.is_grad_enabled()
-        h = total
+        h = total  # the loop's last segment replaces it (there is always one)
         for s in range(first, n):
             seg = slice(s * L, (s + 1) * L)
             reset = (positions[seg] == begin) if s in starts_in else None

@@ -44,10 +44,6 @@ class DocumentBatch:
     epoch: int = 0
     index: int = 0  # position of this batch in its epoch
 
-    @property
-    def num_tokens(self) -> int:
-        return int((self.input_ids.size(1) - self.start).sum())
-
 
 def pad_documents(
     docs: list[np.ndarray], segment: int, device: torch.device | str = "cpu"
