@@ -9,6 +9,7 @@ an interpreter start-up each).
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -136,6 +137,25 @@ def test_a_paused_and_resumed_run_ends_as_a_straight_one(runner, tmp_path) -> No
     assert rc == 0, err
     # 24 training documents in batches of 8: the resumed run crosses into the second epoch
     assert_same_run(tmp_path / "straight", tmp_path / "paused", 6)
+
+
+def test_a_seeded_split_is_recorded_in_the_data_folder_and_the_checkpoint(runner, tmp_path):
+    tiny_lm(tmp_path / "lm")
+    rng = random.Random(0)
+    docs = {label: ["".join(rng.choice("abcdefgh") for _ in range(20)) + marker
+                    for _ in range(10)] for label, marker in MARKERS.items()}  # fmt: skip
+    label_folders(tmp_path / "ds", docs)
+    argv = train_argv("optim.max_steps=2", "eval.final_eval=false", "run.seed=3")
+    rc, out, err = run(runner, tmp_path, argv)
+    assert rc == 0, err
+    config = json.loads((tmp_path / "run" / "last" / "config.json").read_text())
+    dataset = config["dataset"]
+    assert dataset["split"] == {"given": False, "seed": 3, "valid_fraction": 0.1,
+                                "test_fraction": 0.1}  # fmt: skip
+    assert [len(dataset["files"][s]) for s in ("train", "valid", "test")] == [16, 2, 2]
+    [recorded] = (tmp_path / "data" / "classes").glob("ds-*/split.json")
+    assert json.loads(recorded.read_text()) == {k: v for k, v in dataset.items() if k != "metric"}
+    assert f"split recorded in {recorded}" in out
 
 
 def test_a_frozen_body_trains_only_the_head(runner, tmp_path) -> None:
