@@ -74,7 +74,7 @@ from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import check_same_model, init_record, open_init
+from txlm.training.init import check_same_model, init_record, load_init_weights, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -157,7 +157,7 @@ class Trainer:
         random.seed(r.seed)
         self.model = TransformerXL(self.model_config)
         if init_model is not None:
-            self.model.load_state_dict(init_model.state_dict())
+            load_init_weights(self.model, init_model)
             del init_model
         self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
