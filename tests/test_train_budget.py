@@ -59,3 +59,18 @@ def test_a_resumed_run_gets_its_budget_again(tmp_path, monkeypatch):
     # on down the cosine's tail over the new budget, not back up to step 5 of 20
     assert lrs[4] == lrs[3]
     assert lrs[3] > lrs[5] > lrs[6] > lrs[7] > 0.0
+
+
+def test_train_help_says_the_budget_is_per_invocation():
+    from txlm.cli import build_parser
+
+    parser = build_parser()
+    train = next(
+        choice
+        for action in parser._subparsers._group_actions  # argparse keeps subcommands here
+        for name, choice in action.choices.items()
+        if name == "train"
+    )
+    text = " ".join(train.format_help().split())
+    assert "run.time_budget_s caps the training seconds of each invocation" in text
+    assert "a --resume gets the whole budget again" in text

@@ -45,7 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="YAML overrides (repeatable)",
     )
     add_set_option(p, "dotted overrides, e.g. optim.lr=1e-3 model.n_layer=2 data.batch_size=8")
-    p.add_argument("--out", default=None, help="output directory (default runs/<preset>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default runs/<preset>; with --init CKPT, runs/<CKPT's run>-ft)",
+    )
     p.add_argument(
         "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
     )
@@ -137,7 +141,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = args.out or config.run.out_dir
     if out is None:
-        out = str(Path(args.resume).parent) if args.resume else f"runs/{config.preset}"
+        if args.resume:
+            out = str(Path(args.resume).parent)
+        elif init is not None:  # not the run it starts from (runs/NAME/best -> runs/NAME-ft)
+            run = init.path.parent if init.path.name in ("best", "last") else init.path
+            out = f"runs/{run.resolve().name}-ft"
+        else:
+            out = f"runs/{config.preset}"
     config.run.out_dir = out
     held = used_by_another_run(Path(out), resume)
     if held and not args.overwrite:

@@ -95,27 +95,29 @@ def prepare_dataset(
     they are, and a train split with no symbol the vocabulary knows is refused.
     ``lower_case``: lower-case the text first (a converted tokenizer that did so).
     """
-    if vocab is not None:
-        return _prepare_with_vocab(
-            name, Path(data_dir), vocab, level=level, force=force, mirror=mirror,
-            progress=progress, lower_case=lower_case,
-            options={"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size},
-        )  # fmt: skip
     if recall.is_recall(name):  # generated, not read: its own writer (same layout)
+        if vocab is not None:
+            raise DataError("recall builds its own alphabet: it cannot take a checkpoint's")
         if level not in (None, "char"):
             raise DataError(f"recall is a character-level task, not {level!r}")
         return recall.prepare_recall(name, data_dir, force=force)
     kind, user_path = sources.parse_name(name)
-    spec = SPECS[kind]
-    level = level or spec.default_level
-    if level not in spec.levels:
-        raise DataError(f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}")
     mirror = mirror or os.environ.get("TXLM_MIRROR") or None
     data_dir = Path(data_dir)
-    out = data_dir / sources.out_name(kind, level, user_path)
-    options = _vocab_options(
-        out, level, {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
-    )
+    given = {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
+    if vocab is None:
+        spec = SPECS[kind]
+        level = level or spec.default_level
+        if level not in spec.levels:
+            raise DataError(
+                f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}"
+            )
+        out = data_dir / sources.out_name(kind, level, user_path)
+        options = _vocab_options(out, level, given)
+    else:
+        level = _given_vocab_level(vocab, level, given)
+        out = prepared_folder(name, data_dir, vocab=vocab, lower_case=lower_case)
+        options = {"vocab": vocab.fingerprint, "lower_case": lower_case}
     min_freq, max_vocab = options.get("min_freq", 1), options.get("max_vocab")
     vocab_size = options.get("vocab_size", bpe.DEFAULT_VOCAB_SIZE)
 
@@ -133,24 +135,34 @@ def prepare_dataset(
     if not force and is_current(out, key):
         return out
 
+    def vocabulary(raw: RawCorpus) -> Vocab:
+        if vocab is not None:
+            return vocab
+        return _build_vocab(
+            raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
+        )
+
     # Local text needs no scratch folder: read and check it (binary, empty, ...) before
     # creating anything, so a refused first prepare leaves no DATA_DIR behind.
     raw: RawCorpus | None = None
     if kind in ("text", "shakespeare"):
         raw = sources.read(kind, user_path, paths, data_dir)
-        vocab = _build_vocab(
-            raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
-        )
+        used = vocabulary(raw)
     with building(data_dir, out) as tmp:
         work = tmp / "raw"
         work.mkdir()
         if raw is None:
             raw = sources.read(kind, user_path, paths, work)
-            vocab = _build_vocab(
-                raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
-            )
-        vocab, splits_meta, train_counts = encode_splits(raw, vocab, tmp, progress=progress)
-        vocab.save(tmp / "vocab.json")
+            used = vocabulary(raw)
+        if lower_case:
+            raw = _lower_cased(raw)
+        # a given vocabulary keeps its ids: they are what its model reads
+        used, splits_meta, train_counts = encode_splits(
+            raw, used, tmp, progress=progress, renumber=vocab is None
+        )
+        if vocab is not None:
+            _refuse_all_unknown(vocab, train_counts, name)
+        used.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -158,18 +170,18 @@ def prepare_dataset(
             "name": out.name,
             "level": level,
             "metric": metric_for_level(level),
-            "dtype": vocab.dtype.name,
-            "vocab_size": len(vocab),
-            "vocab_fingerprint": vocab.fingerprint,
+            "dtype": used.dtype.name,
+            "vocab_size": len(used),
+            "vocab_fingerprint": used.fingerprint,
             "input_key": key,
             "options": options,
             "sources": inputs,
             "source_bytes": sum(int(s["bytes"]) for s in inputs),
-            "tokenizer": _tokenizer_settings(level, vocab, options),
+            "tokenizer": _tokenizer_settings(level, used, options),
             "corpus": raw.settings,
             "splits": splits_meta,
         }
-        if level in ("bpe", "word"):
+        if level in ("bpe", "word") and vocab is None:
             meta["adaptive_softmax"] = {
                 "ids": "sorted by train count (specials first)",
                 "suggested_cutoffs": bpe.suggest_cutoffs(train_counts),
@@ -180,21 +192,9 @@ def prepare_dataset(
     return out
 
 
-def _prepare_with_vocab(
-    name: str,
-    data_dir: Path,
-    vocab: Vocab,
-    *,
-    level: str | None,
-    force: bool,
-    mirror: str | None,
-    progress: bool,
-    lower_case: bool,
-    options: dict,
-) -> Path:
-    """``prepare_dataset`` with a given vocabulary: the same inputs, reading and layout."""
-    if recall.is_recall(name):
-        raise DataError("recall builds its own alphabet: it cannot be encoded with a checkpoint's")
+def _given_vocab_level(vocab: Vocab, level: str | None, options: dict) -> str:
+    """The level of a corpus encoded with ``vocab``: the vocabulary's own; another level
+    asked for, or a vocabulary option (which would build one), is refused by name."""
     if level is not None and level != vocab.level:
         raise DataError(
             f"data.level={level} contradicts the checkpoint's {vocab.level} vocabulary "
@@ -205,53 +205,7 @@ def _prepare_with_vocab(
             raise DataError(
                 f"{_FLAG[key]} ({key}) builds a vocabulary; the checkpoint's is used as it is"
             )
-    kind, user_path = sources.parse_name(name)
-    out = prepared_folder(name, data_dir, vocab=vocab, lower_case=lower_case)
-    settings = {"vocab": vocab.fingerprint, "lower_case": lower_case}
-    mirror = mirror or os.environ.get("TXLM_MIRROR") or None
-    downloads = data_dir / "downloads"
-    inputs = sources.list_sources(kind, user_path, downloads)
-    paths = sources.fetch_sources(kind, inputs, downloads, mirror=mirror, progress=progress)
-    key = sources.input_key(kind, vocab.level, settings, inputs)
-    if not force and is_current(out, key):
-        return out
-    raw: RawCorpus | None = None
-    if kind in ("text", "shakespeare"):  # read and checked before anything is created
-        raw = sources.read(kind, user_path, paths, data_dir)
-    with building(data_dir, out) as tmp:
-        work = tmp / "raw"
-        work.mkdir()
-        if raw is None:
-            raw = sources.read(kind, user_path, paths, work)
-        if lower_case:
-            raw = _lower_cased(raw)
-        _, splits_meta, train_counts = encode_splits(
-            raw, vocab, tmp, progress=progress, renumber=False
-        )
-        _refuse_all_unknown(vocab, train_counts, name)
-        vocab.save(tmp / "vocab.json")
-        meta = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "dataset": kind,
-            "name": out.name,
-            "level": vocab.level,
-            "metric": metric_for_level(vocab.level),
-            "dtype": vocab.dtype.name,
-            "vocab_size": len(vocab),
-            "vocab_fingerprint": vocab.fingerprint,
-            "input_key": key,
-            "options": {},
-            "encoded_with": "a given vocabulary (a checkpoint's); ids as it numbers them",
-            "sources": inputs,
-            "source_bytes": sum(int(s["bytes"]) for s in inputs),
-            "tokenizer": {**_tokenizer_settings(vocab.level, vocab, {}), "lower_case": lower_case},
-            "corpus": raw.settings,
-            "splits": splits_meta,
-        }
-        atomic.write_text(tmp / "meta.json", json.dumps(meta, indent=1))
-        shutil.rmtree(work)
-    return out
+    return vocab.level
 
 
 def _lower_cased(raw: RawCorpus) -> RawCorpus:

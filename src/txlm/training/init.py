@@ -8,15 +8,18 @@ differ from training's). Everything else of a run starts fresh: optimizer, sched
 counters, memory and the data stream.
 
 ``init_from(ckpt, config)`` is the one place that turns a checkpoint and a resolved
-configuration into the run's configuration (the trainer then copies the checkpoint's
-weights into the model it builds from it); ``init_record`` is what the run records of its
-start (the checkpoint's path and the sha256 of its weights).
+configuration into the run's configuration; ``load_init_weights`` copies the checkpoint's
+weights into the model a run builds from it (a language model, or the body of another);
+``init_record`` is what the run records of its start (the checkpoint's path and the sha256
+of its weights).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from txlm.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
@@ -84,3 +87,12 @@ def check_same_model(ckpt: Checkpoint, model_config: Any) -> None:
 def init_record(ckpt: Checkpoint) -> dict[str, Any]:
     """What a run records of its start."""
     return {"path": str(ckpt.path.resolve()), "weights_sha256": ckpt.weights_sha256()}
+
+
+def load_init_weights(model: nn.Module, source: Checkpoint | nn.Module) -> None:
+    """Copy the weights of ``source`` (the checkpoint, or its model already loaded) into
+    ``model``, built (unaligned) from the checkpoint's model configuration with at most the
+    tunable keys changed: none of them shapes a weight."""
+    if isinstance(source, Checkpoint):
+        source = source.load_model(device="cpu", align_heads=False)
+    model.load_state_dict(source.state_dict())

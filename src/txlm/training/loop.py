@@ -76,7 +76,7 @@ from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic
 from txlm.training.evaluation import evaluate_split, final_evaluation
-from txlm.training.init import check_same_model, init_record, open_init
+from txlm.training.init import check_same_model, init_record, load_init_weights, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -172,7 +172,7 @@ class Trainer:
         )
         body = self.model if self.task is None else self.model.body
         if init_model is not None:
-            body.load_state_dict(init_model.state_dict())
+            load_init_weights(body, init_model)
             del init_model
         self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
