@@ -197,6 +197,8 @@ CASES = [
          both(_setup(GOOD), write("ds/y/003.txt", b"\xff\xfeab"))),
     Case("classify-train-not-classes", train_argv("data.dataset=text:ds/x/000.txt"),
          "classes:DIR", _setup(GOOD)),
+    Case("classify-train-compiled", train_argv("run.compile=true"), "run.compile=true",
+         _setup(GOOD)),
     Case("classify-train-without-init", [a for a in train_argv() if a not in ("--init", "lm")],
          "pass --init", _setup(GOOD)),
     Case("classify-generate-a-classifier", ["generate", "clf", "--prompt", "ab"],

@@ -61,6 +61,11 @@ class ClassifyTask:
         d, c = config.data, config.classify
         if not is_classes(d.dataset):
             raise ConfigError(f"--task classify reads data.dataset=classes:DIR, got {d.dataset!r}")
+        if config.run.compile is True:
+            raise ConfigError(
+                "run.compile=true: a classifier's forward loops over each batch's segments "
+                "(a number that varies) and runs eager; use run.compile=auto or false"
+            )
         self.config, self.vocab = config, vocab
         self.dataset: ClassDataset = open_classes(
             d.dataset, vocab, seed=config.run.seed, valid_fraction=c.valid_fraction,

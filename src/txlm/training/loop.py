@@ -230,7 +230,8 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(Path(resume))
 
-        self.compiled = compile_wanted(r.compile, self.device)
+        # a classifier's forward loops over each batch's segments: eager (run.compile auto)
+        self.compiled = compile_wanted(r.compile, self.device) and self.task is None
         rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
         self.buckets = None
         if self.task is None:
