@@ -5,9 +5,13 @@ model = txlm.load("runs/shakespeare-char/best")        # a checkpoint `txlm trai
 vocab = txlm.load_vocab("runs/shakespeare-char/best")  # its vocabulary: text <-> ids
 [new] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=50, seed=0)
 print(vocab.decode(new))
+
+clf = txlm.load_classifier("runs/genre/best")  # `txlm train --task classify` wrote it
+txlm.classify(clf, "To be, or not to be").label
 """
 
 from txlm.checkpoint import load, load_vocab, save
+from txlm.classification import classify, load_classifier
 from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
 from txlm.generate import generate
@@ -24,8 +28,10 @@ __all__ = [
     "TransformerXL",
     "TransformerXLOutput",
     "TxlmError",
+    "classify",
     "generate",
     "load",
+    "load_classifier",
     "load_vocab",
     "preset_names",
     "save",

@@ -309,6 +309,11 @@ class Checkpoint:
         """A new model in eval mode with the checkpoint's weights. ``align_heads``: store the
         heads padded to a multiple of 8 dims (``txlm.model.align``; auto: on CUDA, where it
         pays)."""
+        if self.data.get("task", "lm") != "lm":  # a classifier: body.* and head.* weights
+            raise CheckpointError(
+                f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
+                "use txlm classify or txlm.load_classifier"
+            )
         with self._reading():
             model = _load_weights(self.path, self.model_config, device)
         if align.wanted(align_heads, device):

@@ -18,6 +18,7 @@ COMMANDS = [
     "txlm.commands.prepare",
     "txlm.commands.train",
     "txlm.commands.eval",
+    "txlm.commands.classify",
     "txlm.commands.generate",
     "txlm.commands.convert",
     "txlm.commands.analysis",

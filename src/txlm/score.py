@@ -144,7 +144,11 @@ def score_file(
         text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
-    ids = vocab.encode(text)
+    from txlm.convert import normalize_text, text_options  # a converted tokenizer's rules
+
+    ids = vocab.encode(
+        text if isinstance(text, bytes) else normalize_text(text, text_options(ckpt.data))
+    )
     if vocab.doc_start_id is not None:  # the file is a document: read it as training did
         ids = [vocab.doc_start_id, *ids]
     ids = torch.as_tensor(ids, dtype=torch.long)

@@ -94,6 +94,10 @@ def run(args: argparse.Namespace) -> int:
     check_precision(args.precision, device)
 
     ckpt = Checkpoint.open(args.checkpoint)
+    if ckpt.data.get("task") == "classify":  # accuracy, per-class scores: eval_classifier
+        from txlm.commands import eval_classifier
+
+        return eval_classifier.run(args, ckpt.data)
     train = ckpt.train_config or {}
     data = train.get("data") or {}
     dataset = args.dataset or data.get("dataset")

@@ -20,6 +20,7 @@ import torch
 
 from txlm.checkpoint import Checkpoint
 from txlm.commands.options import add_device_options
+from txlm.convert import normalize_text, text_options
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
 from txlm.evaluate import autocast
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     _check_memory(args, model, device, rows=len(texts) * args.num_samples, mem_len=lengths.mem_len)
 
     prompts = []
-    for ids, n_unk in (encode_prompt(vocab, text) for text in texts):
+    options = text_options(ckpt.data)  # a converted tokenizer's lower-casing, if any
+    for ids, n_unk in (encode_prompt(vocab, normalize_text(t, options)) for t in texts):
         if n_unk:
             sys.stderr.write(
                 f"txlm: note: {n_unk} prompt symbol(s) not in the vocabulary -> <unk>\n"

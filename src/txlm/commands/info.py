@@ -80,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
         from txlm.checkpoint import Checkpoint
 
         ckpt = Checkpoint.open(args.checkpoint)
-        model = ckpt.load_model()
+        if ckpt.data.get("task") == "classify":  # body and head (txlm.classification)
+            from txlm.classification import load_classifier
+
+            model = load_classifier(ckpt.path)
+        else:
+            model = ckpt.load_model()
         summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **ckpt.data}
         print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
         return 0
