@@ -412,9 +412,9 @@ def _load_weights(
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
     shapes = _header_shapes(weights, config)
     if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
-        # A small model is cheaper to build for real (milliseconds of random init) than on
-        # the meta device, whose first use imports torch's Python reference kernels (~2 s of
-        # start-up for every `txlm eval/generate`). fork_rng: loading must not advance the
+        # A small model is cheaper to build for real (its random init is quick) than on the
+        # meta device, whose first use imports torch's Python reference kernels, a start-up
+        # cost every `txlm eval/generate` would pay. fork_rng: loading must not advance the
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
             model = TransformerXL(config)

@@ -96,8 +96,8 @@ class Memory:
         into rows. ``keep``: a 0-d bool on the device, false when the step was not finite;
         its states are then replaced by zeros (and masked where a mask is carried), so that
         no NaN feeds the next segment, without the host having to look. In place: the step's
-        backward is done, nothing else reads these tensors, and a copy of the whole memory
-        every step was measured at ~1% of a CPU step."""
+        backward is done, nothing else reads these tensors, and a copy would move the whole
+        memory once more every step."""
         if len(parts) == 1:
             mems, mask = parts[0]
         else:
