@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -42,6 +42,8 @@ from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model import TransformerXL, align
 from txlm.model.lengths import Lengths
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 FORMAT = "txlm"
 FORMAT_VERSION = 1
@@ -426,6 +428,12 @@ def _load_weights(
         _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
         model.tie_weights()
+    return fill_weights(model, weights, device)
+
+
+def fill_weights(model: M, weights: Path, device: str | torch.device) -> M:
+    """``model`` with every tensor read from the safetensors file ``weights`` (on ``device``);
+    a file that is unreadable, or holds other tensors than the model, is one CheckpointError."""
     try:
         missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
