@@ -112,6 +112,34 @@ def test_a_size_that_cannot_fit_is_refused_naming_the_option() -> None:
                                    mem_len=16, precision="fp32", cache=True)  # fmt: skip
 
 
+def test_the_training_check_counts_the_activations_of_one_accumulation_chunk(
+    monkeypatch,
+) -> None:
+    """Gradient accumulation splits a step's rows into chunks, and only one chunk's
+    activations live at a time: a batch refused at grad_accum 1 for its activations, the
+    refusal advising to raise grad_accum, is accepted at 4."""
+    from txlm.training.config import resolve
+
+    def train(accum: int):
+        sets = ["data.batch_size=64", "model.tgt_len=512", f"optim.grad_accum={accum}"]
+        config = resolve("debug", None, sets)
+        return config, config.model_config(64)
+
+    (one, c), (four, _) = train(1), train(4)
+    need = {a: sum(n.nbytes for n in resources.training_needs(c, rows=64, chunks=a,
+                                                              precision="fp32"))
+            for a in (1, 4)}  # fmt: skip
+    assert need[4] < need[1] / 2  # the activations are most of it
+    room = (need[1] + need[4]) // 2
+    monkeypatch.setattr(resources, "available_bytes", lambda device: room)
+    cpu = torch.device("cpu")
+    with pytest.raises(resources.ResourceError) as err:
+        resources.check_training(c, cpu, one, world_size=1)
+    message = str(err.value)
+    assert "the activations of one step" in message and "raise optim.grad_accum" in message
+    resources.check_training(c, cpu, four, world_size=1)  # a quarter of them: it fits
+
+
 def test_out_of_memory_errors_become_one_line() -> None:
     cpu_error = RuntimeError(
         "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
