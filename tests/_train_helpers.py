@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from conftest import REPO, subprocess_env
+from conftest import REPO
 
 # Small, fast, reproducible: one thread, deterministic kernels, no progress bars.
 FAST = [
@@ -44,14 +45,16 @@ def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
 
 
 def txlm(args: list[str], data_dir: Path, *, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *args],
-        cwd=REPO,
-        env=subprocess_env(data_dir),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    """``python -m txlm ARGS`` with ``data_dir`` its data directory, forked by the warm runner
+    (reliability_cli_runner.py: the same code path as a new process, without an interpreter
+    and torch start-up each); a child that outlives ``timeout`` is killed (returncode -9)."""
+    from reliability_helpers import warm_runner
+
+    runner = warm_runner()
+    with tempfile.TemporaryDirectory() as io_dir:
+        runner.start(args, REPO, Path(io_dir), {"TXLM_DATA_DIR": str(data_dir)}, timeout)
+        rc, out, err = runner.wait()
+    return subprocess.CompletedProcess([sys.executable, "-m", "txlm", *args], rc, out, err)
 
 
 def metrics(out: Path, split: str = "train") -> list[dict]:

@@ -165,9 +165,7 @@ def save_tiny_hf(directory: Path, *, safe: bool = True, **overrides):
 @pytest.fixture(scope="session")
 def runner():
     """The warm fork server (reliability_cli_runner.py): ``python -m txlm`` children without
-    an interpreter and torch start-up each."""
-    from reliability_helpers import Runner
+    an interpreter and torch start-up each (the one ``_train_helpers.txlm`` uses too)."""
+    from reliability_helpers import warm_runner
 
-    r = Runner()
-    yield r
-    r.close()
+    return warm_runner()

@@ -202,24 +202,28 @@ def test_an_allocation_that_fails_anyway_is_one_line(argv, trained: Path) -> Non
     assert snapshot(trained) == before
 
 
-def test_a_used_out_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
+def test_a_used_out_is_replaced_only_with_overwrite(tmp_path: Path, runner) -> None:
     text = tiny_text(tmp_path, n_chars=6000)
     out = tmp_path / "run"
     base = ["train", "--preset", "debug", "--out", str(out), "--set", *FAST,
             f"data.dataset=text:{text}", "eval.eval_interval=0",
             "eval.final_eval=false"]  # fmt: skip
-    assert txlm([*base, "optim.max_steps=3"], tmp_path).returncode == 0
+
+    def train(*argv: str) -> tuple[int, str, str]:  # a forked `python -m txlm train`
+        return runner.run(["train", *argv], tmp_path, tmp_path / "io",
+                          {"TXLM_DATA_DIR": str(tmp_path)})  # fmt: skip
+
+    assert train(*base[1:], "optim.max_steps=3")[0] == 0
     first = snapshot(out)
-    refused = txlm([*base, "optim.max_steps=1"], tmp_path)
-    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    rc, _, err = train(*base[1:], "optim.max_steps=1")
+    assert rc == 2 and "--overwrite" in err
     assert snapshot(out) == first
     # resuming the run in its own folder is what --out DIR with DIR/last is for
-    resumed = txlm(["train", "--resume", str(out / "last"), "--set", "optim.max_steps=4"],
-                   tmp_path)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    replaced = txlm([*base, "optim.max_steps=1", "--overwrite"], tmp_path)
-    assert replaced.returncode == 0, replaced.stderr
-    assert "--overwrite: removed the run" in replaced.stdout
+    rc, _, err = train("--resume", str(out / "last"), "--set", "optim.max_steps=4")
+    assert rc == 0, err
+    rc, stdout, err = train(*base[1:], "optim.max_steps=1", "--overwrite")
+    assert rc == 0, err
+    assert "--overwrite: removed the run" in stdout
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert len(steps) == 1  # the old run's records went with it
 
