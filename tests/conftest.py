@@ -7,6 +7,8 @@ pytest puts this folder on ``sys.path``, and a module is imported once.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import warnings
 from pathlib import Path
 
@@ -15,8 +17,7 @@ from pathlib import Path
 # Set before any test module imports triton; nothing else here runs Triton kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import signal
-
+import numpy as np
 import pytest
 import torch
 
@@ -59,6 +60,15 @@ def _global_state() -> dict[str, object]:
         "TXLM_* environment": {k: v for k, v in os.environ.items() if k.startswith("TXLM_")},
         "working directory": os.getcwd(),
     }
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global generators (torch's, numpy's, Python's),
+    whatever ran before it: what a test draws from them does not depend on the order."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
 
 
 @pytest.fixture(autouse=True)
