@@ -45,17 +45,18 @@ def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
 
 
 def txlm(
-    args: list[str], data_dir: Path, *, timeout: float = 1200, cwd: Path = REPO
+    args: list[str], data_dir: Path | None, *, timeout: float = 1200, cwd: Path = REPO
 ) -> subprocess.CompletedProcess:
-    """``python -m txlm ARGS`` in ``cwd`` with ``data_dir`` its data directory, forked by the
-    warm runner (reliability_cli_runner.py: the same code path as a new process, without an
-    interpreter and torch start-up each); a child that outlives ``timeout`` is killed
-    (returncode -9)."""
+    """``python -m txlm ARGS`` in ``cwd`` with ``data_dir`` its data directory (None: the
+    default), forked by the warm runner (reliability_cli_runner.py: the same code path as a
+    new process, without an interpreter and torch start-up each); a child that outlives
+    ``timeout`` is killed (returncode -9)."""
     from reliability_helpers import warm_runner
 
     runner = warm_runner()
+    env = {} if data_dir is None else {"TXLM_DATA_DIR": str(data_dir)}
     with tempfile.TemporaryDirectory() as io_dir:
-        runner.start(args, cwd, Path(io_dir), {"TXLM_DATA_DIR": str(data_dir)}, timeout)
+        runner.start(args, cwd, Path(io_dir), env, timeout)
         rc, out, err = runner.wait()
     return subprocess.CompletedProcess([sys.executable, "-m", "txlm", *args], rc, out, err)
 
