@@ -62,7 +62,11 @@ def test_compare_quick_run_writes_ratios(tmp_path):
     out = tmp_path / "compare.json"
     argv = ["--quick", "--configs", "cpu", "--dtypes", "fp32", "--rounds", "1",
             "--workloads", "train,eval_m128", "--threads", "1", "--out", str(out)]  # fmt: skip
-    assert compare.main(argv) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert compare.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script's --threads is for its own process
     result = json.loads(out.read_text())
     assert result["parity_max_abs_logprob_diff"]["cpu"] < 1e-4
     rows = {r["workload"]: r for r in result["results"]}
