@@ -95,9 +95,11 @@ def test_first_call_hands_over_the_code_inductor_generates(fresh_dynamo):
     assert again == []
 
 
-def test_gpu_check_script_runs_on_the_cpu(tmp_path):
+def test_gpu_check_script_runs_on_the_cpu(tmp_path, fresh_dynamo):
     """The prepared device script (benchmarks/gpu_check.py) runs every section end to end on
-    a tiny shape, so a session that is lent a GPU can run it as it is."""
+    a tiny shape, so a session that is lent a GPU can run it as it is. (It counts the graphs
+    it compiles, as in the fresh process a session runs it in: dynamo reset first, else the
+    graphs earlier tests left, and their recompile limits, change the count.)"""
     out = tmp_path / "gpu.json"
     assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
