@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from _train_helpers import txlm
 from txlm.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,14 +287,7 @@ def work(tmp_path_factory) -> Path:
 def run_line(cwd: Path, line: str) -> subprocess.CompletedProcess:
     argv = _split(line)
     assert argv[0] == "txlm"
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *argv[1:]],
-        cwd=cwd,
-        env=_env(TXLM_DATA_DIR=str(cwd / "data")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return txlm(argv[1:], cwd / "data", timeout=600, cwd=cwd)  # forked: `python -m txlm`
 
 
 def cheap_lines(text: str) -> list[str]:

@@ -74,7 +74,7 @@ from txlm.training.build import (
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
-from txlm.training.determinism import deterministic
+from txlm.training.determinism import deterministic, threads
 from txlm.training.evaluation import evaluate_split, final_evaluation
 from txlm.training.init import check_same_model, init_record, load_init_weights, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
@@ -120,15 +120,13 @@ class Trainer:
         r = config.run
         self.signals = StopSignals()
 
-        # Process group, device, threads. Deterministic kernels (run.deterministic) are on
-        # only while the trainer works (training.determinism), not for the whole process.
+        # Process group, device. Deterministic kernels and the thread count (run.deterministic,
+        # run.threads) hold only while the trainer works (training.determinism).
         probe = resolve_device(r.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist.init(probe.type)
         self.device = resolve_device(r.device, local_rank=self.dist.local_rank)
         self.echo = echo and self.dist.is_main
         check_precision(r.precision, self.device)  # fp16's GradScaler: GPUs only
-        if r.threads is not None:
-            torch.set_num_threads(r.threads)
         world = self.dist.world_size
         if config.data.batch_size % (world * config.optim.grad_accum):
             raise ConfigError(
@@ -335,7 +333,8 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimisation step, queued on the device: no value is read back to the host
         (``account`` reads the returned numbers later)."""
-        with deterministic(self.config.run.deterministic), denormals_flushed(self.device):
+        r = self.config.run
+        with deterministic(r.deterministic), threads(r.threads), denormals_flushed(self.device):
             return self._train_step()
 
     def _train_step(self) -> StepStats:
@@ -439,7 +438,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``optim.max_steps`` (or ``run.stop_at``, the time budget, a signal),
         validating and checkpointing on the way; returns the run's summary."""
-        with deterministic(self.config.run.deterministic):
+        with deterministic(self.config.run.deterministic), threads(self.config.run.threads):
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
