@@ -340,6 +340,13 @@ def _merge(config: TrainConfig, data: dict[str, Any], prefix: str) -> None:
                 raise ConfigError(f"unknown preset {values!r}; choose from: {', '.join(PRESETS)}")
             config.preset = values
             continue
+        if section == "task":  # a top-level scalar, as --print-config writes it
+            config.task = _coerce("task", typing.get_type_hints(TrainConfig)["task"], values)
+            continue
+        if section == "init":  # --print-config writes the run's; a new one comes from --init
+            if values is not None:
+                raise ConfigError(f"{prefix}init is set with txlm train --init CKPT, not in a file")
+            continue
         if section not in _SECTIONS:
             raise ConfigError(
                 f"unknown config section {prefix + section!r}; sections: {', '.join(_SECTIONS)}"
