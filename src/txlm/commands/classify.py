@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, apply_threads
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -32,7 +32,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
     from txlm.classification import load_classifier, predict
     from txlm.data.classes import read_document
@@ -41,10 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     model = load_classifier(args.checkpoint, device=resolve_device(args.device))
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode text")

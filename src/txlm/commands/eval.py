@@ -14,7 +14,7 @@ import json
 import sys
 
 from txlm.commands import eval_file
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, apply_threads
 from txlm.devices import check_precision, resolve_device
 
 
@@ -75,7 +75,6 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.file is not None:  # any text file instead of a prepared split
         return eval_file.run(args)
-    import torch
 
     from txlm import resources
     from txlm.checkpoint import Checkpoint
@@ -87,9 +86,7 @@ def run(args: argparse.Namespace) -> int:
     _positive("mem-len", args.mem_len, 0)
     _positive("batch-size", args.batch_size)
     _positive("max-steps", args.max_steps)
-    if args.threads is not None:
-        _positive("threads", args.threads)
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from txlm.checkpoint import Checkpoint
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, apply_threads
 from txlm.convert import normalize_text, text_options
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
@@ -147,10 +147,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_context < 0:
         raise ConfigError(f"--max-context must be >= 0 (0: all), got {args.max_context}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     texts = _read_prompts(args)
     device = resolve_device(args.device)
     check_precision(args.precision, device)
