@@ -316,6 +316,16 @@ def peak_mib(fn: Callable[[], None]) -> float:
 
 
 # -- timing ---------------------------------------------------------------------------------
+def cpu_name() -> str:
+    """The CPU's model name as the OS reports it: a speed ratio belongs to the CPU it was
+    measured on as much as to the code."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
 def matmul_gflops(n: int = 2048, reps: int = 3, dtype: torch.dtype = torch.float32) -> float:
     a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     a @ b
@@ -440,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             row["speedup_kv"] = round(med["hf"] / med["txlm_kv"], 2)
         if w.flops is not None:
             row["txlm_gflops"] = round(w.flops / med["txlm"] / 1e9, 1)
-            # MFU against the fp32 peak (the issue's yardstick); bf16 also against its own
+            # MFU against the fp32 peak (one yardstick for both dtypes); bf16 also against its own
             row["txlm_mfu"] = round(w.flops / med["txlm"] / 1e9 / peak, 3)
             row["hf_mfu"] = round(w.flops / med["hf"] / 1e9 / peak, 3)
             if dtype == "bf16" and peak_bf16:
@@ -469,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "threads": args.threads,
-        "machine": platform.processor() or platform.machine(),
+        "machine": platform.machine(),
+        "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(),
         "fp32_matmul_peak_gflops": round(peak, 1),
         "fp32_matmul_peak_rounds": [round(p, 1) for p in peaks],
         "bf16_matmul_peak_gflops": round(peak_bf16, 1) if peak_bf16 else None,

@@ -1,4 +1,4 @@
-"""One prepared run for a lent GPU: the CUDA path checked and timed against issue 12's targets.
+"""One prepared run for a lent GPU: the CUDA path checked and timed against txlm's GPU targets.
 
     python benchmarks/gpu_check.py --out $OUT/gpu_check.json   # cuda, ~5 min with compiles
     python benchmarks/gpu_check.py --device cpu --quick        # the same code, tiny shape (CI)
@@ -38,7 +38,8 @@ Correctness sections, failing like a missed target: the padded model against the
 Models are built as txlm builds them on the device: on CUDA, heads padded to a multiple of 8
 (``txlm.model.align``, chosen by section 8's measurement) unless a row says otherwise.
 Every figure is the device's own; nothing here compares against another library. ``targets``
-at the end sets each issue-12 target beside the figure that measures it.
+at the end sets each target (the bars that ``targets()`` lists) beside the figure that
+measures it.
 """
 
 from __future__ import annotations
@@ -661,7 +662,7 @@ def generate_cli(device: torch.device, new: int, quick: bool) -> dict:
 
 
 def targets(result: dict) -> list[dict]:
-    """Issue 12's targets beside the figures measured here (None: not measured)."""
+    """The GPU targets beside the figures measured here (None: not measured)."""
 
     def best_train(shape: str, key: str) -> float | None:
         rows = result.get("shapes", {}).get(shape, {}).get("train", [])
@@ -734,7 +735,7 @@ class Run:
         self.save()
 
     def save(self) -> None:
-        if self.targets:  # the issue's shapes only (not --quick's)
+        if self.targets:  # the targets' shapes only (not --quick's)
             self.result["targets"] = targets(self.result)
         self.result["wall_s"] = round(self.elapsed(), 1)
         atomic.write_text(self.out, json.dumps(self.result, indent=2) + "\n")

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from conftest import REPO, subprocess_env
+from conftest import REPO
 
 # Small, fast, reproducible: one thread, deterministic kernels, no progress bars.
 FAST = [
@@ -43,15 +44,21 @@ def tiny_config(directory: Path, *overrides: str, n_chars: int = 6000):
     return resolve("debug", None, [*base, *overrides])
 
 
-def txlm(args: list[str], data_dir: Path, *, timeout: float = 1200) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *args],
-        cwd=REPO,
-        env=subprocess_env(data_dir),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def txlm(
+    args: list[str], data_dir: Path | None, *, timeout: float = 1200, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """``python -m txlm ARGS`` in ``cwd`` with ``data_dir`` its data directory (None: the
+    default), forked by the warm runner (reliability_cli_runner.py: the same code path as a
+    new process, without an interpreter and torch start-up each); a child that outlives
+    ``timeout`` is killed (returncode -9)."""
+    from reliability_helpers import warm_runner
+
+    runner = warm_runner()
+    env = {} if data_dir is None else {"TXLM_DATA_DIR": str(data_dir)}
+    with tempfile.TemporaryDirectory() as io_dir:
+        runner.start(args, cwd, Path(io_dir), env, timeout)
+        rc, out, err = runner.wait()
+    return subprocess.CompletedProcess([sys.executable, "-m", "txlm", *args], rc, out, err)
 
 
 def metrics(out: Path, split: str = "train") -> list[dict]:

@@ -7,6 +7,8 @@ pytest puts this folder on ``sys.path``, and a module is imported once.
 from __future__ import annotations
 
 import os
+import random
+import signal
 import warnings
 from pathlib import Path
 
@@ -15,10 +17,69 @@ from pathlib import Path
 # Set before any test module imports triton; nothing else here runs Triton kernels.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# The suite's intra-op thread count (torch's default: one per core). `make test-portable`
+# runs it at 1 and 3: which CPU kernel a product takes, and so the order of its sums, depends
+# on the thread count, and a test that holds only at one count compares the wrong way.
+if os.environ.get("TXLM_TEST_THREADS"):
+    torch.set_num_threads(int(os.environ["TXLM_TEST_THREADS"]))
+
+
+def _flush_denormal() -> bool:
+    """torch has no getter for ``set_flush_denormal``: a denormal float32 reads as zero with
+    it on."""
+    return bool((torch.tensor(1e-40) * 1).item() == 0)
+
+
+def _global_state() -> dict[str, object]:
+    """What torch (and txlm's trainer) keep process-wide: a test or a library call that
+    changes one of these changes every later test's arithmetic or behaviour."""
+    return {
+        "intra-op threads": torch.get_num_threads(),
+        "flush-denormal": _flush_denormal(),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "cudnn benchmark": torch.backends.cudnn.benchmark,
+        "cpu autocast": torch.is_autocast_enabled("cpu"),
+        "anomaly mode": torch.is_anomaly_enabled(),
+        "SIGINT/SIGTERM handlers": (
+            signal.getsignal(signal.SIGINT),
+            signal.getsignal(signal.SIGTERM),
+        ),
+        "TXLM_* environment": {k: v for k, v in os.environ.items() if k.startswith("TXLM_")},
+        "working directory": os.getcwd(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same global generators (torch's, numpy's, Python's),
+    whatever ran before it: what a test draws from them does not depend on the order."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+
+
+@pytest.fixture(autouse=True)
+def global_state_restored():
+    """Fails the test that leaves torch's process-wide state (or txlm's environment
+    variables, the signal handlers, the working directory) other than it found it."""
+    before = _global_state()
+    yield
+    after = _global_state()
+    changed = [f"{k}: {before[k]!r} -> {after[k]!r}" for k in before if before[k] != after[k]]
+    assert not changed, "the test left global state changed: " + "; ".join(changed)
 
 
 def spread_weights(model, std: float):
@@ -29,6 +90,28 @@ def spread_weights(model, std: float):
         for name, p in model.named_parameters():
             if "norm" not in name:
                 p.normal_(0.0, std)
+    return model
+
+
+def debug_model(seed: int = 0, *, dtype=None, std: float | None = None, **overrides):
+    """The debug preset with ``overrides``, from seed ``seed``, in eval mode; ``dtype``: the
+    model converted to it once built (under the default dtype). ``std``: every weight but the
+    LayerNorms' drawn from N(0, std) (``spread_weights``); else as initialised, but with the
+    zero-initialised ones (u, v, biases) drawn from N(0, 0.3), so every score term matters."""
+    from txlm.config import ModelConfig
+    from txlm.model import TransformerXL
+
+    torch.manual_seed(seed)
+    model = TransformerXL(ModelConfig.from_preset("debug", **overrides))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.eval()
+    if std is not None:
+        return spread_weights(model, std)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() <= 2 and p.abs().sum() == 0:
+                p.normal_(0, 0.3)
     return model
 
 
@@ -92,9 +175,7 @@ def save_tiny_hf(directory: Path, *, safe: bool = True, **overrides):
 @pytest.fixture(scope="session")
 def runner():
     """The warm fork server (reliability_cli_runner.py): ``python -m txlm`` children without
-    an interpreter and torch start-up each."""
-    from reliability_helpers import Runner
+    an interpreter and torch start-up each (the one ``_train_helpers.txlm`` uses too)."""
+    from reliability_helpers import warm_runner
 
-    r = Runner()
-    yield r
-    r.close()
+    return warm_runner()

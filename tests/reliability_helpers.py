@@ -7,6 +7,7 @@ because pytest puts each test file's directory on sys.path.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import io
 import json
@@ -159,6 +160,18 @@ class Runner:
         self.proc.stdin.close()  # the server's loop ends at EOF
         self.proc.wait(timeout=30)
         self.proc.stdout.close()
+
+
+_WARM: Runner | None = None
+
+
+def warm_runner() -> Runner:
+    """This test process's one warm runner, started on first use and closed at its exit."""
+    global _WARM
+    if _WARM is None:
+        _WARM = Runner()
+        atexit.register(_WARM.close)
+    return _WARM
 
 
 class Forked:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 
 import txlm
-from conftest import subprocess_env
+from _train_helpers import txlm as forked_txlm
 from txlm.data import Vocab, prepare_dataset
 
 
@@ -31,10 +30,7 @@ def env(tmp_path_factory):
 
 
 def _txlm(env, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *args],
-        capture_output=True, text=True, timeout=timeout, env=subprocess_env(env / "data"),
-    )  # fmt: skip
+    return forked_txlm(list(args), env / "data", timeout=timeout)  # `python -m txlm`
 
 
 def test_bench_eval_speed_json(env):

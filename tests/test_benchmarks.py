@@ -62,8 +62,13 @@ def test_compare_quick_run_writes_ratios(tmp_path):
     out = tmp_path / "compare.json"
     argv = ["--quick", "--configs", "cpu", "--dtypes", "fp32", "--rounds", "1",
             "--workloads", "train,eval_m128", "--threads", "1", "--out", str(out)]  # fmt: skip
-    assert compare.main(argv) == 0
+    threads = torch.get_num_threads()
+    try:
+        assert compare.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # the script's --threads is for its own process
     result = json.loads(out.read_text())
+    assert result["cpu"] == compare.cpu_name() != ""  # the CPU the ratios belong to
     assert result["parity_max_abs_logprob_diff"]["cpu"] < 1e-4
     rows = {r["workload"]: r for r in result["results"]}
     assert set(rows) == {"train", "eval_m128"}
@@ -93,9 +98,9 @@ def test_first_call_hands_over_the_code_inductor_generates(fresh_dynamo):
 
 def test_gpu_check_script_runs_on_the_cpu(tmp_path, fresh_dynamo):
     """The prepared device script (benchmarks/gpu_check.py) runs every section end to end on
-    a tiny shape, so a session that is lent a GPU can run it as it is. From a clean dynamo
-    cache: it counts the graphs its compiled training step makes, which a same-shape model
-    compiled earlier in the process would already have."""
+    a tiny shape, so a session that is lent a GPU can run it as it is. (It counts the graphs
+    it compiles, as in the fresh process a session runs it in: dynamo reset first, else the
+    graphs earlier tests left, and their recompile limits, change the count.)"""
     out = tmp_path / "gpu.json"
     assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 0
     result = json.loads(out.read_text())

@@ -143,7 +143,11 @@ CASES: list[Case] = [
         "generate-checkpoint-asks-huge-memory",
         ["generate", "run/best", "--prompt", "The"],
         "--mem-len",
-        edit_json("run/best/config.json", lambda d: d["model"].__setitem__("mem_len", 10**12)),
+        # the memory generate reads with: the run's evaluation memory (Checkpoint.lengths)
+        edit_json(
+            "run/best/config.json",
+            lambda d: d["train"]["eval"].__setitem__("eval_mem_len", 10**12),
+        ),
         uses=("run",),
     ),
     Case(

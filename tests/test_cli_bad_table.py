@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import test_cli_bad_analysis
+import test_cli_bad_classify
 import test_cli_bad_convert
 import test_cli_bad_eval
 import test_cli_bad_generate
@@ -22,6 +23,7 @@ TABLES = {
     "convert": test_cli_bad_convert.CASES,
     "train": test_cli_bad_train.CASES,
     "eval": test_cli_bad_eval.CASES,
+    "classify": test_cli_bad_classify.CASES,
     "generate": test_cli_bad_generate.CASES,
     "info": test_cli_bad_info.CASES,
     "analysis": test_cli_bad_analysis.CASES,

@@ -182,6 +182,73 @@ CASES: list[Case] = [
         "model.mem_len",
         uses=("corpus.txt", "data"),
     ),
+    # ---- --init: a new run from a checkpoint's model (contract C38)
+    Case(
+        "train-init-not-a-checkpoint",
+        [*TRAIN_BASE, "--init", "notckpt", "--out", "ft"],
+        "notckpt",
+        mkdir("notckpt"),
+        uses=("corpus.txt", "data"),
+    ),
+    Case(
+        "train-init-missing",
+        [*TRAIN_BASE, "--init", "nope/best", "--out", "ft"],
+        "nope/best",
+        uses=("corpus.txt", "data"),
+    ),
+    Case(
+        "train-init-truncated-weights",
+        [*TRAIN_BASE, "--init", "run/best", "--out", "ft"],
+        "model.safetensors",
+        truncate("run/best/model.safetensors", 0.5),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-damaged-config",
+        [*TRAIN_BASE, "--init", "run/best", "--out", "ft"],
+        "config.json",
+        write("run/best/config.json", "{"),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-without-vocab",
+        [*TRAIN_BASE, "--init", "run/best", "--out", "ft"],
+        "vocab.json",
+        lambda w: (w / "run" / "best" / "vocab.json").unlink(),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-with-resume",
+        ["train", "--init", "run/best", "--resume", "run/last"],
+        "--resume",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-model-shape",
+        [*TRAIN_BASE, "model.n_layer=3", "--init", "run/best", "--out", "ft"],
+        "model.n_layer",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-other-level",
+        [*TRAIN_BASE, "data.level=word", "--init", "run/best", "--out", "ft"],
+        "data.level",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-cannot-fit",
+        [*TRAIN_BASE, "--init", "run/best", "--out", "ft"],
+        "start from a smaller one",
+        edit_json("run/best/config.json", lambda d: d["model"].__setitem__("d_inner", 10**12)),
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
+        "train-init-all-unknown",
+        [*TRAIN_BASE, "data.dataset=text:alien.txt", "--init", "run/best", "--out", "ft"],
+        "<unk>",
+        write("alien.txt", "ζξψω ωψξζ ψω\n" * 200),
+        uses=("corpus.txt", "data", "run"),
+    ),
     # ---- an --out that holds another run is not replaced silently
     Case(
         "train-into-used-out",

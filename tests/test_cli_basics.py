@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
+from _train_helpers import REPO
+from _train_helpers import txlm as forked_txlm
 from txlm.cli import build_parser
 from txlm.devices import resolve_device
 from txlm.errors import ConfigError
@@ -17,9 +18,7 @@ from txlm.training.config import TrainConfig
 
 
 def txlm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *args], capture_output=True, text=True, timeout=120
-    )
+    return forked_txlm(list(args), REPO / "data", timeout=120)
 
 
 def test_info_lists_every_preset_with_its_parameter_count():

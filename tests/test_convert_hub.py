@@ -151,3 +151,18 @@ def test_a_path_that_does_not_exist_is_not_sent_to_the_hub(env, monkeypatch, cap
     assert rc == 2 and "models/nope" in one_error_line(err)
     rc, _, err = convert("a/b/c", "o", capsys)
     assert rc == 2 and "a/b/c" in one_error_line(err)
+
+
+def test_an_unreachable_hub_is_named_with_the_local_folder_way(env, monkeypatch, capsys):
+    """No network (a loopback port nothing listens on): one line that says the Hub cannot
+    be reached and that a local folder works; offline without a cache says so too."""
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    rc, _, err = convert("org/model", "o", capsys)
+    line = one_error_line(err)
+    assert rc == 2 and "cannot reach the Hugging Face Hub at http://127.0.0.1:9" in line
+    assert "connection refused" in line and "local folder" in line
+    assert not Path("o").exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rc, _, err = convert("org/model", "o", capsys)
+    line = one_error_line(err)
+    assert rc == 2 and "HF_HUB_OFFLINE" in line and "local folder" in line

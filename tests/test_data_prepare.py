@@ -59,6 +59,14 @@ def test_shakespeare_layout_split_and_round_trip(shakespeare):
     assert all(len(s["sha256"]) == 64 for s in corpus.meta["sources"])
 
 
+def test_the_default_preset_counts_the_model_the_default_run_trains(shakespeare):
+    """`txlm info` counts shakespeare-char at the vocabulary its corpus gives (the README's
+    parameter count is that model's)."""
+    from txlm.config import PRESETS
+
+    assert PRESETS["shakespeare-char"].model["vocab_size"] == len(load_prepared(shakespeare).vocab)
+
+
 def test_second_call_reuses_the_cache_and_force_rebuilds(shakespeare):
     meta = shakespeare / "meta.json"
     before = meta.stat().st_mtime_ns

@@ -9,13 +9,13 @@ the memory starts trimming many times.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import pytest
 import torch
 
-from conftest import spread_weights
-from txlm.config import ModelConfig
+from conftest import debug_model
 from txlm.decode import CachedDecoder, UncachedDecoder
 from txlm.generate import generate
 from txlm.model import TransformerXL
@@ -32,13 +32,8 @@ def one_thread():
     torch.set_num_threads(saved)
 
 
-def make_model(seed: int = 0, std: float = 0.1, **overrides) -> TransformerXL:
-    """Debug-sized model with weights large enough that attention is far from uniform."""
-    cfg = ModelConfig.from_preset("debug", **{"tgt_len": 8, "mem_len": 24, **overrides})
-    torch.manual_seed(seed)
-    model = TransformerXL(cfg).eval()
-    spread_weights(model, std)
-    return model
+# weights large enough that attention is far from uniform
+make_model = functools.partial(debug_model, std=0.1, tgt_len=8, mem_len=24)
 
 
 @torch.no_grad()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,7 +15,8 @@ import pytest
 import torch
 
 import txlm
-from conftest import spread_weights, subprocess_env
+from _train_helpers import txlm as forked_txlm
+from conftest import spread_weights
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
@@ -57,11 +57,7 @@ def word_ckpt(tmp_path_factory) -> Path:
 
 
 def _cli(*argv: str) -> subprocess.CompletedProcess:
-    env = subprocess_env()
-    return subprocess.run(
-        [sys.executable, "-m", "txlm", *argv],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    return forked_txlm(list(argv), None, timeout=120)  # `python -m txlm`, forked
 
 
 @pytest.mark.parametrize(

@@ -63,8 +63,8 @@ def test_repeated_rows_give_the_tokens_of_the_prompts_written_out(kind, compile,
 
 
 def test_repeated_cache_equals_the_cache_of_the_prompts_read_again() -> None:
-    """The rows, document ids (left padding) and write position after ``repeat_rows``
-    equal those of reading every copy."""
+    """The rows (to float32 rounding), document ids (left padding) and write position after
+    ``repeat_rows`` equal those of reading every copy."""
     model = _model()
     once, again = CachedDecoder(model), CachedDecoder(model)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
@@ -76,7 +76,9 @@ def test_repeated_cache_equals_the_cache_of_the_prompts_read_again() -> None:
     again._narrow()
     a, b = once.cache, again.cache
     assert a is not None and b is not None and a.batch == b.batch == 9
-    assert torch.equal(a.kv, b.kv)
+    # 3 rows projected and repeated against 9 projected: other product shapes, so other
+    # kernels and summation orders, float32 rounding apart
+    torch.testing.assert_close(a.kv, b.kv, rtol=1e-5, atol=1e-5)
     assert torch.equal(a.doc, b.doc) and torch.equal(a.open_doc, b.open_doc)
     assert torch.equal(a.pos, b.pos) and int(a.next_pos) == int(b.next_pos)
     assert torch.equal(a.memory_valid(), b.memory_valid())

@@ -6,15 +6,13 @@ import itertools
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 import txlm
-from conftest import subprocess_env
+from _train_helpers import txlm as forked_txlm
 from txlm.analysis.ablation import variants
 from txlm.analysis.memory import (
     bench_variants,
@@ -97,15 +95,15 @@ def test_copy_profile_scores_each_copy_once_at_its_stream_position():
 
 
 def test_bench_memory_command(tmp_path):
-    env = subprocess_env(tmp_path / "data")
+    data = tmp_path / "data"
     out = tmp_path / "out"
-    r = subprocess.run(
-        [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK,
+    r = forked_txlm(
+        ["bench", "memory", "--dataset", TASK,
          "--variants", "xl,vanilla", "--steps", "4", "--batch-size", "4", "--tgt-len", "8",
          "--mem-len", "8", "--set", "model.d_model=32", "model.n_head=2", "model.d_head=16",
          "model.d_inner=64", "--eval-multiples", "1,2", "--eval-tgt-len", "4", "--threads", "1",
          "--runs-dir", str(tmp_path / "runs"), "--json", "--out-dir", str(out)],
-        capture_output=True, text=True, timeout=300, env=env,
+        data, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     payload = json.loads(r.stdout)
@@ -136,8 +134,6 @@ def test_bench_memory_command(tmp_path):
     assert txlm.load(ckpt).config.mem_len == 8
     assert payload["settings"]["train"]["optim"]["max_steps"] == 4
 
-    bad = subprocess.run(
-        [sys.executable, "-m", "txlm", "bench", "memory", "--dataset", TASK, "--variants", "lstm"],
-        capture_output=True, text=True, timeout=120, env=env,
-    )  # fmt: skip
+    bad = forked_txlm(["bench", "memory", "--dataset", TASK, "--variants", "lstm"], data,
+                      timeout=120)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.startswith("txlm: error: unknown variant")

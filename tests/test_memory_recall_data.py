@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from _train_helpers import txlm
 from txlm.data import StreamIterator, load_prepared, prepare_dataset
 from txlm.data.recall import RecallSpec, copy_distances, generate, generate_pairs, parse_spec
 from txlm.errors import DataError
@@ -158,10 +157,7 @@ def test_bad_names_are_one_line_errors_and_write_nothing(tmp_path, name, message
     with pytest.raises(DataError, match=message):
         parse_spec(name)
     data = tmp_path / "data"
-    r = subprocess.run(
-        [sys.executable, "-m", "txlm", "prepare", name, "--data-dir", str(data)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+    r = txlm(["prepare", name, "--data-dir", str(data)], data, timeout=60)  # forked CLI
     assert r.returncode == 2 and r.stderr.startswith("txlm: error: recall:")
     assert len(r.stderr.strip().splitlines()) == 1
     assert not data.exists()

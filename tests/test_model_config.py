@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -75,6 +76,38 @@ def test_bad_config_values_are_refused_by_name(changes, message):
     data = {**PRESETS["debug"].model, **changes}
     with pytest.raises(ConfigError, match=message):
         ModelConfig.from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("n_layer", 2.0, "n_layer must be an integer, got 2.0"),
+        ("div_val", True, "div_val must be an integer, got True"),
+        ("mem_len", None, "mem_len must be an integer, got None"),
+        ("d_embed", 3.5, "d_embed must be an integer or null, got 3.5"),
+        ("dropout", "0.1", "dropout must be a number, got '0.1'"),
+        ("proj_init_std", False, "proj_init_std must be a number, got False"),
+        ("pre_lnorm", 1, "pre_lnorm must be true or false, got 1"),
+        ("cutoffs", "20,40", "cutoffs must be a list of integers, got '20,40'"),
+        ("cutoffs", [True], "cutoffs must be a list of integers, got [True]"),
+        ("tie_projs", [1, 0], "tie_projs must be a list of true/false or null, got [1, 0]"),
+    ],
+)
+def test_wrong_kinds_are_named_from_the_type_hints(key, value, message):
+    """The kind each field must have is read from ModelConfig's type hints: one message per
+    kind, naming the key (JSON and YAML hand over strings, floats and bools loosely)."""
+    data = {**PRESETS["debug"].model, key: value}
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_dict(data)
+    assert str(info.value) == message
+
+
+def test_every_field_but_the_choices_has_its_kind_checked():
+    from txlm.config import _FIELD_KINDS
+
+    choices = {"attn_type", "attn_impl"}  # Literal: __post_init__ lists the choices
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(_FIELD_KINDS) == fields - choices
 
 
 def test_unknown_preset_lists_the_choices():

@@ -6,11 +6,13 @@ All in float64 so that equalities that hold mathematically hold to 1e-10 here.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from txlm.config import ModelConfig
-from txlm.model import TransformerXL, rel_shift
+from conftest import debug_model
+from txlm.model import rel_shift
 from txlm.model.mask import attention_mask, causal_mask
 
 ATOL = 1e-10
@@ -25,17 +27,9 @@ def float64_default():
     torch.set_default_dtype(previous)
 
 
-def make_model(seed: int = 0, **overrides) -> TransformerXL:
-    torch.manual_seed(seed)
-    defaults = dict(dropout=0.0, dropatt=0.0, attn_impl="math")
-    config = ModelConfig.from_preset("debug", **{**defaults, **overrides})
-    model = TransformerXL(config).double().eval()
-    # Non-zero u, v and biases so every term of the score matters.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() <= 2 and p.abs().sum() == 0:
-                p.normal_(0, 0.3)
-    return model
+make_model = functools.partial(
+    debug_model, dtype=torch.float64, dropout=0.0, dropatt=0.0, attn_impl="math"
+)
 
 
 def tokens(batch: int, length: int, vocab: int = 64, seed: int = 1) -> torch.Tensor:

@@ -12,11 +12,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from conftest import debug_model
 from txlm.config import ModelConfig
-from txlm.model import TransformerXL
 from txlm.model.attention import RelativeAttention
 
 ATOL = 1e-10
@@ -30,15 +32,7 @@ def float64():
     torch.set_default_dtype(previous)
 
 
-def make_model(seed: int = 0, **overrides) -> TransformerXL:
-    torch.manual_seed(seed)
-    config = ModelConfig.from_preset("debug", **{"dropout": 0.0, "dropatt": 0.0, **overrides})
-    model = TransformerXL(config)
-    with torch.no_grad():  # non-zero u, v and biases: every score term matters
-        for p in model.parameters():
-            if p.dim() <= 2 and p.abs().sum() == 0:
-                p.normal_(0, 0.3)
-    return model
+make_model = functools.partial(debug_model, dropout=0.0, dropatt=0.0)
 
 
 def reference_scores(attn, q, k, rk, mask, u, v):

@@ -6,9 +6,12 @@ than the segment), for every encoding and with per-row and per-token document re
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
+from conftest import debug_model
 from txlm.config import ModelConfig
 from txlm.model import TransformerXL
 from txlm.model.kv_eval import CachedEvaluator
@@ -17,15 +20,7 @@ ATOL = 1e-10
 B, L, SEGMENTS = 3, 8, 4
 
 
-def make_model(**overrides) -> TransformerXL:
-    torch.manual_seed(0)
-    config = ModelConfig.from_preset("debug", **{"dropout": 0.1, "dropatt": 0.1, **overrides})
-    model = TransformerXL(config).double().eval()
-    with torch.no_grad():  # non-zero u, v and biases: every score term matters
-        for p in model.parameters():
-            if p.dim() <= 2 and p.abs().sum() == 0:
-                p.normal_(0, 0.3)
-    return model
+make_model = functools.partial(debug_model, dtype=torch.float64, dropout=0.1, dropatt=0.1)
 
 
 CASES = {

@@ -112,6 +112,34 @@ def test_a_size_that_cannot_fit_is_refused_naming_the_option() -> None:
                                    mem_len=16, precision="fp32", cache=True)  # fmt: skip
 
 
+def test_the_training_check_counts_the_activations_of_one_accumulation_chunk(
+    monkeypatch,
+) -> None:
+    """Gradient accumulation splits a step's rows into chunks, and only one chunk's
+    activations live at a time: a batch refused at grad_accum 1 for its activations, the
+    refusal advising to raise grad_accum, is accepted at 4."""
+    from txlm.training.config import resolve
+
+    def train(accum: int):
+        sets = ["data.batch_size=64", "model.tgt_len=512", f"optim.grad_accum={accum}"]
+        config = resolve("debug", None, sets)
+        return config, config.model_config(64)
+
+    (one, c), (four, _) = train(1), train(4)
+    need = {a: sum(n.nbytes for n in resources.training_needs(c, rows=64, chunks=a,
+                                                              precision="fp32"))
+            for a in (1, 4)}  # fmt: skip
+    assert need[4] < need[1] / 2  # the activations are most of it
+    room = (need[1] + need[4]) // 2
+    monkeypatch.setattr(resources, "available_bytes", lambda device: room)
+    cpu = torch.device("cpu")
+    with pytest.raises(resources.ResourceError) as err:
+        resources.check_training(c, cpu, one, world_size=1)
+    message = str(err.value)
+    assert "the activations of one step" in message and "raise optim.grad_accum" in message
+    resources.check_training(c, cpu, four, world_size=1)  # a quarter of them: it fits
+
+
 def test_out_of_memory_errors_become_one_line() -> None:
     cpu_error = RuntimeError(
         "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
@@ -174,24 +202,28 @@ def test_an_allocation_that_fails_anyway_is_one_line(argv, trained: Path) -> Non
     assert snapshot(trained) == before
 
 
-def test_a_used_out_is_replaced_only_with_overwrite(tmp_path: Path) -> None:
+def test_a_used_out_is_replaced_only_with_overwrite(tmp_path: Path, runner) -> None:
     text = tiny_text(tmp_path, n_chars=6000)
     out = tmp_path / "run"
     base = ["train", "--preset", "debug", "--out", str(out), "--set", *FAST,
             f"data.dataset=text:{text}", "eval.eval_interval=0",
             "eval.final_eval=false"]  # fmt: skip
-    assert txlm([*base, "optim.max_steps=3"], tmp_path).returncode == 0
+
+    def train(*argv: str) -> tuple[int, str, str]:  # a forked `python -m txlm train`
+        return runner.run(["train", *argv], tmp_path, tmp_path / "io",
+                          {"TXLM_DATA_DIR": str(tmp_path)})  # fmt: skip
+
+    assert train(*base[1:], "optim.max_steps=3")[0] == 0
     first = snapshot(out)
-    refused = txlm([*base, "optim.max_steps=1"], tmp_path)
-    assert refused.returncode == 2 and "--overwrite" in refused.stderr
+    rc, _, err = train(*base[1:], "optim.max_steps=1")
+    assert rc == 2 and "--overwrite" in err
     assert snapshot(out) == first
     # resuming the run in its own folder is what --out DIR with DIR/last is for
-    resumed = txlm(["train", "--resume", str(out / "last"), "--set", "optim.max_steps=4"],
-                   tmp_path)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    replaced = txlm([*base, "optim.max_steps=1", "--overwrite"], tmp_path)
-    assert replaced.returncode == 0, replaced.stderr
-    assert "--overwrite: removed the run" in replaced.stdout
+    rc, _, err = train("--resume", str(out / "last"), "--set", "optim.max_steps=4")
+    assert rc == 0, err
+    rc, stdout, err = train(*base[1:], "optim.max_steps=1", "--overwrite")
+    assert rc == 0, err
+    assert "--overwrite: removed the run" in stdout
     steps = [line for line in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
     assert len(steps) == 1  # the old run's records went with it
 

@@ -130,3 +130,15 @@ def test_inverse_sqrt_and_constant():
     assert learning_rate(15, c.optim) == pytest.approx(math.sqrt(4 / 16))
     c = _cfg(lr=0.3, warmup_steps=0, schedule="constant")
     assert learning_rate(0, c.optim) == learning_rate(999, c.optim) == 0.3
+
+
+def test_a_printed_config_is_a_config_file(tmp_path):
+    """What --print-config writes (top-level init and task included) reads back as --config,
+    and an init checkpoint named in a file is refused: it comes from --init."""
+    printed = resolve("debug", sets=["optim.lr=0.5", "data.batch_size=3"])
+    path = tmp_path / "run.yaml"
+    path.write_text(printed.to_yaml())
+    assert resolve(None, config_files=[str(path)]) == printed
+    path.write_text(printed.to_yaml().replace("init: null", "init: runs/x/best"))
+    with pytest.raises(ConfigError, match="init is set with txlm train --init"):
+        resolve(None, config_files=[str(path)])

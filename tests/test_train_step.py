@@ -2,8 +2,8 @@
 norm Adam steps with) and the reported norm is the one before clipping; resuming restores
 the RNG (dropout on), not only the weights; a step reads nothing back to the host, and one
 that is not finite leaves the weights and Adam's state as they were; the memory's state in
-real shapes; run.deterministic is on inside the trainer's work only; the sinusoid's
-[sin | cos] layout."""
+real shapes; run.deterministic and run.threads hold inside the trainer's work only; the
+sinusoid's [sin | cos] layout."""
 
 from __future__ import annotations
 
@@ -250,6 +250,27 @@ def test_deterministic_mode_is_on_inside_the_trainer_only(corpus, tmp_path):
     assert not torch.are_deterministic_algorithms_enabled()
     trainer.fit()
     assert seen == [True, True] and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_run_threads_hold_inside_the_trainer_only(corpus, tmp_path):
+    """run.threads is torch's process-wide thread count while the trainer steps and fits,
+    and the caller's again after each (a trainer built in a test or a notebook)."""
+    threads = torch.get_num_threads()
+    other = 2 if threads == 1 else 1
+    trainer = _trainer(corpus, tmp_path, f"run.threads={other}", "optim.max_steps=2")
+    assert torch.get_num_threads() == threads
+    seen = []
+    real = trainer.forward_model
+
+    def forward(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    trainer.forward_model = forward
+    trainer.train_step()
+    assert torch.get_num_threads() == threads
+    trainer.fit()
+    assert seen == [other, other] and torch.get_num_threads() == threads
 
 
 def test_sinusoid_is_sines_then_cosines():

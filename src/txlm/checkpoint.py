@@ -9,18 +9,28 @@
 A checkpoint is written with ``txlm.atomic.directory``: filled in a temp directory beside it
 and swapped into place, so at every instant the old or the new checkpoint is whole on disk;
 ``resolve`` reads ``NAME.old`` after a crash between the two renames of the swap.
+
+Reading goes through ``Checkpoint.open``: the directory resolved once, config.json parsed
+once, and the model, its vocabulary and its evaluation lengths all from that one copy:
+
+    ckpt = Checkpoint.open("runs/shakespeare-char/best")
+    model, vocab = ckpt.load_model("cpu"), ckpt.vocab()
+    lengths = ckpt.lengths(mem_len=512)     # the run's evaluation lengths, one changed
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -31,6 +41,9 @@ from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model import TransformerXL, align
+from txlm.model.lengths import Lengths
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 FORMAT = "txlm"
 FORMAT_VERSION = 1
@@ -38,6 +51,8 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_FILE = "vocab.json"
 TOKENIZER_FILE = "tokenizer.json"
+# what a Hub repository id (org/name) looks like: a relative path of exactly two parts
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def estimate_checkpoint_bytes(model: torch.nn.Module, *, optimizer_moments: int = 2) -> int:
@@ -91,6 +106,11 @@ def resolve(path: str | Path) -> Path:
         return path
     if path.exists():
         raise CheckpointError(f"{path} is not a checkpoint directory")
+    if _HUB_NAME.match(str(path)):
+        raise CheckpointError(
+            f"checkpoint {path} does not exist; if {path} names a Hugging Face model, "
+            f"convert it into one first: txlm convert --from hf {path} --out DIR"
+        )
     raise CheckpointError(f"checkpoint {path} does not exist")
 
 
@@ -133,14 +153,17 @@ def save(
     return directory
 
 
-def read_config(directory: str | Path) -> dict[str, Any]:
-    """The parsed config.json of a txlm checkpoint, checked to be ours."""
-    directory = resolve(directory)
+def _parse_config(directory: Path) -> dict[str, Any]:
+    """config.json of ``directory``, parsed and checked to be a txlm checkpoint's."""
     path = directory / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a txlm checkpoint")
     try:
-        data = json.loads(path.read_text())
+        text = path.read_bytes()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a txlm checkpoint") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -153,6 +176,185 @@ def read_config(directory: str | Path) -> dict[str, Any]:
             f"this txlm reads version {FORMAT_VERSION}"
         )
     return data
+
+
+def _identity(directory: Path) -> tuple[int, int] | None:
+    """Which directory ``directory`` names now (device, inode); None when it names none."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+# train.eval's keys (txlm.training.config.EvalConfig) for each of Lengths' fields
+_EVAL_KEYS = {
+    "tgt_len": "eval_tgt_len",
+    "mem_len": "eval_mem_len",
+    "clamp_len": "eval_clamp_len",
+    "same_length": "same_length",
+}
+
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """One checkpoint directory, opened once.
+
+    ``open`` picks NAME or NAME.old once and parses config.json once; every later read
+    (``vocab``, ``load_model``, ``weights_sha256``) takes its file from that same directory.
+    An atomic save over NAME moves the opened copy aside and deletes it, so a read that finds
+    another directory at ``path`` than the one opened raises ``CheckpointError`` instead of
+    mixing the configuration of one copy with the weights or vocabulary of another.
+    """
+
+    path: Path  # the resolved directory: NAME, or NAME.old after an interrupted swap
+    data: dict[str, Any]  # config.json as parsed
+    model_config: ModelConfig
+    has_vocab: bool  # vocab.json present when opened
+    _identity: tuple[int, int] | None = field(repr=False)
+    _recorded: Lengths = field(repr=False)  # the lengths the run evaluated with, else the model's
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        """Open the checkpoint at ``path``; ``CheckpointError`` (one line) if it is not one."""
+        directory = resolve(path)
+        identity = _identity(directory)
+        data = _parse_config(directory)
+        config_file = directory / CONFIG_FILE
+        try:
+            config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise CheckpointError(f"{config_file}: {exc}") from None
+        train = data.get("train")
+        saved = train.get("eval") if isinstance(train, dict) else None
+        saved = saved if isinstance(saved, dict) else {}
+        try:
+            recorded = Lengths.of(config, **{f: saved.get(k) for f, k in _EVAL_KEYS.items()})
+        except ConfigError as exc:
+            raise CheckpointError(f"{config_file}: train.eval: {exc}") from None
+        ckpt = cls(
+            path=directory,
+            data=data,
+            model_config=config,
+            has_vocab=(directory / VOCAB_FILE).is_file(),
+            _identity=identity,
+            _recorded=recorded,
+        )
+        ckpt._unchanged()  # config.json came from the directory identified above
+        return ckpt
+
+    @property
+    def train_config(self) -> dict[str, Any] | None:
+        """The saved "train" section (the run's TrainConfig as written), None without one."""
+        train = self.data.get("train")
+        return train if isinstance(train, dict) else None
+
+    def lengths(
+        self,
+        tgt_len: int | None = None,
+        mem_len: int | None = None,
+        clamp_len: int | None = None,
+        same_length: bool | None = None,
+    ) -> Lengths:
+        """The lengths to read text with: each one given (not None), else the one the run
+        evaluated with (``train.eval`` in config.json), else the model's. The one place
+        where ``txlm eval``, ``eval --file`` and ``generate`` choose their lengths."""
+        return self._recorded.replace(
+            tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+        )
+
+    @property
+    def vocab_fingerprint(self) -> str | None:
+        """The fingerprint of the vocabulary the model was trained with: the one config.json
+        records, else its vocab.json's; None when it has neither (converted weights without
+        a vocabulary)."""
+        recorded = self.data.get("vocab_fingerprint")
+        if recorded is not None or not self.has_vocab:
+            return recorded
+        return self.vocab().fingerprint
+
+    def vocab(self) -> Vocab:
+        """The vocabulary saved with the checkpoint, read once: vocab.json (and a bpe
+        vocabulary's tokenizer.json) must give the fingerprint config.json records and as
+        many symbols as the model has. The one reader of a checkpoint's vocabulary."""
+        if "vocab" not in self._cache:
+            self._cache["vocab"] = self._read_vocab()
+        return self._cache["vocab"]
+
+    def _read_vocab(self) -> Vocab:
+        path = self.path / VOCAB_FILE
+        if not self.has_vocab:
+            raise CheckpointError(f"{self.path} has no {VOCAB_FILE}: cannot encode text")
+        with self._reading():
+            try:
+                vocab = Vocab.load(path)
+            except DataError as exc:  # the checkpoint is what is damaged, not a dataset
+                raise CheckpointError(str(exc)) from None
+        what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
+        check_fingerprint(
+            vocab,
+            self.data.get("vocab_fingerprint"),
+            what=str(self.path / what),
+            against="the checkpoint's config.json",
+            error=CheckpointError,
+        )
+        if len(vocab) != self.model_config.vocab_size:
+            raise CheckpointError(
+                f"{path} has {len(vocab)} symbols but the model {self.model_config.vocab_size}"
+            )
+        return vocab
+
+    def load_model(
+        self, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
+    ) -> TransformerXL:
+        """A new model in eval mode with the checkpoint's weights. ``align_heads``: store the
+        heads padded to a multiple of 8 dims (``txlm.model.align``; auto: on CUDA, where it
+        pays)."""
+        if self.data.get("task", "lm") != "lm":  # a classifier: body.* and head.* weights
+            raise CheckpointError(
+                f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
+                "use txlm classify or txlm.load_classifier"
+            )
+        with self._reading():
+            model = _load_weights(self.path, self.model_config, device)
+        if align.wanted(align_heads, device):
+            align.pad_model(model)
+        return model.eval()
+
+    def weights_sha256(self) -> str:
+        """The hex SHA-256 of model.safetensors (identifies the weights, whatever the path)."""
+        if "sha256" not in self._cache:
+            weights = self.path / WEIGHTS_FILE
+            with self._reading():
+                try:
+                    with open(weights, "rb") as f:
+                        digest = hashlib.file_digest(f, "sha256").hexdigest()
+                except OSError as exc:
+                    raise CheckpointError(f"cannot read {weights}: {exc.strerror or exc}") from None
+            self._cache["sha256"] = digest
+        return self._cache["sha256"]
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Around a read of the checkpoint's files: the directory at ``path`` is the one opened
+        before and after it, so what was read came from that copy. A file that a save over it
+        removed mid-read is reported as the save, not as a damaged checkpoint."""
+        self._unchanged()
+        try:
+            yield
+        except CheckpointError:
+            self._unchanged()
+            raise
+        self._unchanged()
+
+    def _unchanged(self) -> None:
+        """Refuse to read on when ``path`` no longer names the directory that was opened."""
+        if _identity(self.path) != self._identity:
+            raise CheckpointError(
+                f"{self.path} was moved or replaced after it was opened (a save over it?): "
+                "open it again"
+            )
 
 
 def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
@@ -203,25 +405,18 @@ def _rough_parameter_count(c: ModelConfig) -> int:
     return c.n_layer * per_layer + 2 * c.vocab_size * max(c.d_embed, c.d_model)
 
 
-def load(
-    directory: str | Path, *, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
+def _load_weights(
+    directory: Path, config: ModelConfig, device: str | torch.device
 ) -> TransformerXL:
-    """A model in eval mode from a checkpoint directory. ``align_heads``: store the heads
-    padded to a multiple of 8 dims (``txlm.model.align``; auto: on CUDA, where it pays)."""
-    directory = resolve(directory)
-    data = read_config(directory)
-    try:
-        config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
-    except ConfigError as exc:
-        raise CheckpointError(f"{directory / CONFIG_FILE}: {exc}") from None
+    """``config``'s model with the weights of ``directory``, checked against the header first."""
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
     shapes = _header_shapes(weights, config)
     if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
-        # A small model is cheaper to build for real (milliseconds of random init) than on
-        # the meta device, whose first use imports torch's Python reference kernels (~2 s of
-        # start-up for every `txlm eval/generate`). fork_rng: loading must not advance the
+        # A small model is cheaper to build for real (its random init is quick) than on the
+        # meta device, whose first use imports torch's Python reference kernels, a start-up
+        # cost every `txlm eval/generate` would pay. fork_rng: loading must not advance the
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
             model = TransformerXL(config)
@@ -233,6 +428,12 @@ def load(
         _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
         model.tie_weights()
+    return fill_weights(model, weights, device)
+
+
+def fill_weights(model: M, weights: Path, device: str | torch.device) -> M:
+    """``model`` with every tensor read from the safetensors file ``weights`` (on ``device``);
+    a file that is unreadable, or holds other tensors than the model, is one CheckpointError."""
     try:
         missing, unexpected = load_model(model, str(weights), strict=False, device=str(device))
     except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
@@ -245,41 +446,25 @@ def load(
             f"{weights} does not match its config.json "
             f"({len(missing)} missing, {len(unexpected)} unexpected tensors: {detail})"
         )
-    if align.wanted(align_heads, device):
-        align.pad_model(model)
-    return model.eval()
+    return model
+
+
+# -- the public one-liners, each one Checkpoint.open -----------------------------------------
+
+
+def load(
+    directory: str | Path, *, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
+) -> TransformerXL:
+    """A model in eval mode from a checkpoint directory (``Checkpoint.load_model``)."""
+    return Checkpoint.open(directory).load_model(device, align_heads)
 
 
 def load_vocab(directory: str | Path) -> Vocab:
-    """The vocabulary saved with a checkpoint, checked to be the one the model was trained
-    with: vocab.json (and a bpe vocabulary's tokenizer.json) must give the fingerprint
-    config.json records. Missing: ``CheckpointError``. The one reader of a checkpoint's
-    vocabulary."""
-    directory = resolve(directory)
-    path = directory / VOCAB_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{directory} has no {VOCAB_FILE}: cannot encode text")
-    try:
-        vocab = Vocab.load(path)
-    except DataError as exc:  # the checkpoint is what is damaged, not a dataset
-        raise CheckpointError(str(exc)) from None
-    what = TOKENIZER_FILE if vocab.level == "bpe" else VOCAB_FILE
-    check_fingerprint(
-        vocab,
-        read_config(directory).get("vocab_fingerprint"),
-        what=str(directory / what),
-        against="the checkpoint's config.json",
-        error=CheckpointError,
-    )
-    return vocab
+    """The vocabulary saved with a checkpoint, checked against it (``Checkpoint.vocab``);
+    ``CheckpointError`` when it has none."""
+    return Checkpoint.open(directory).vocab()
 
 
-def vocab_fingerprint(directory: str | Path) -> str | None:
-    """The fingerprint of the vocabulary a checkpoint's model was trained with: the one
-    config.json records, else its vocab.json's; None when it has neither (converted
-    weights without a vocabulary)."""
-    directory = resolve(directory)
-    recorded = read_config(directory).get("vocab_fingerprint")
-    if recorded is not None or not (directory / VOCAB_FILE).is_file():
-        return recorded
-    return load_vocab(directory).fingerprint
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The parsed config.json of a txlm checkpoint, checked to be ours (``Checkpoint.data``)."""
+    return Checkpoint.open(directory).data

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+import torch
+
 from txlm.errors import TxlmError
 
 # Subcommand modules, in the order ``txlm --help`` lists them.
@@ -18,6 +20,7 @@ COMMANDS = [
     "txlm.commands.prepare",
     "txlm.commands.train",
     "txlm.commands.eval",
+    "txlm.commands.classify",
     "txlm.commands.generate",
     "txlm.commands.convert",
     "txlm.commands.analysis",
@@ -45,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()  # a command's --threads is its own, not its caller's
     try:
         return int(args.func(args) or 0)
     except TxlmError as exc:
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("txlm: interrupted\n")
         return 130
+    finally:
+        torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -392,6 +392,28 @@ def read_hf_vocab(path: Path, vocab_size: int) -> tuple[str, dict[str, Any]]:
     return Vocab(symbols, "word", unk=unk, eos=eos).to_json(), notes
 
 
+def text_options(config_data: dict[str, Any]) -> dict[str, Any]:
+    """How text is normalised before a checkpoint's vocabulary encodes it: the options a
+    converted tokenizer recorded (``converted_from.tokenizer`` in config.json), which a run
+    fine-tuned from it carries on (``init.text``): ``lower_case``. A checkpoint trained on
+    txlm's own vocabulary has none: text as it is."""
+    converted = config_data.get("converted_from")
+    tokenizer = converted.get("tokenizer") if isinstance(converted, dict) else None
+    init = config_data.get("init")
+    inherited = init.get("text") if isinstance(init, dict) else None
+    lower = any(
+        isinstance(options, dict) and options.get("lower_case") is True
+        for options in (tokenizer, inherited)
+    )
+    return {"lower_case": lower}
+
+
+def normalize_text(text: str, options: dict[str, Any]) -> str:
+    """``text`` as the converted tokenizer read it (``text_options``): lower-cased when it
+    lower-cased its input, as TransfoXLTokenizer did (``str.lower`` of each line)."""
+    return text.lower() if options.get("lower_case") else text
+
+
 # -- the whole conversion -------------------------------------------------------------------
 
 
@@ -423,7 +445,10 @@ def convert_hf(
     if vocab_file is None:
         notes.append("no vocab.pkl/vocab.bin: the checkpoint has no vocab.json")
     if tokenizer.get("lower_case"):
-        notes.append("the tokenizer lower-cased its input: lower-case text before encoding")
+        notes.append(
+            "the tokenizer lower-cased its input: txlm generate, eval --file and train --init "
+            "lower-case text before encoding it (txlm.convert.normalize_text)"
+        )
     if hf_config.get("mem_len", 0) > 0:
         notes.append(
             "HF's forward starts from mem_len zero vectors when mems=None; txlm (like the "

@@ -60,8 +60,8 @@ def data_parallel(module: torch.nn.Module, device: torch.device) -> torch.nn.Mod
 
     The model has no buffers to keep in step (every tensor is a parameter), so none are
     broadcast before each forward: ``forward_sync_buffers=False`` where DDP takes it (torch
-    2.13 deprecates ``broadcast_buffers`` for it), ``broadcast_buffers=False`` in the
-    releases before (torch 2.11 on the device machines has only that one).
+    2.13 deprecates ``broadcast_buffers`` for it), ``broadcast_buffers=False`` where DDP has
+    only that (torch 2.11).
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
 

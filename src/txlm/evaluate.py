@@ -185,6 +185,7 @@ def evaluate_tokens(
     desc: str = "eval",
     kv_cache: bool = False,
     compile: bool = False,
+    on_segment: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Mean next-token loss over a stream, memory carried across segments.
 
@@ -195,6 +196,7 @@ def evaluate_tokens(
     empty only once per row. ``kv_cache`` keeps the memory's projected keys and values between
     segments instead of re-projecting them (``CachedEvaluator``: same numbers up to float
     rounding, faster with long memory). ``compile``: see ``stream_segments``.
+    ``on_segment(done, total)`` hears each segment read (progress where no bar can be drawn).
     """
     used = Lengths.of(
         model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
@@ -205,14 +207,14 @@ def evaluate_tokens(
         precision=precision, kv_cache=kv_cache, compile=compile,
     )  # fmt: skip
     bar = None
+    n = len(tokens) - 1
+    rows = max(1, min(batch_size, n))
+    total = math.ceil(math.ceil(n / rows) / used.tgt_len)
+    if max_steps is not None:
+        total = min(total, max_steps)
     if progress:
         from tqdm import tqdm
 
-        n = len(tokens) - 1
-        rows = max(1, min(batch_size, n))
-        total = math.ceil(math.ceil(n / rows) / used.tgt_len)
-        if max_steps is not None:
-            total = min(total, max_steps)
         bar = tqdm(total=total, desc=desc, unit="seg", leave=False, dynamic_ncols=True)
     # Summed on the model's device: one host sync at the end, not one per segment.
     total_loss: Tensor | None = None
@@ -227,6 +229,8 @@ def evaluate_tokens(
             rows_used = seg.input_ids.size(0)
             if bar is not None:
                 bar.update(1)
+            if on_segment is not None:
+                on_segment(n_segments, total)
     finally:
         if bar is not None:
             bar.close()

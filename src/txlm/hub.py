@@ -96,13 +96,14 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
         except hub.utils.LocalEntryNotFoundError:
             raise CheckpointError(
                 f"{repo_id} is not a local folder, and HF_HUB_OFFLINE is set: the {where} "
-                "is not in the cache; download it once online"
+                "is not in the cache; download it once online, or pass a local folder "
+                "holding its config.json and weights"
             ) from None
         return Path(folder)
 
     api = hub.HfApi(endpoint=endpoint())
     try:
-        info = api.model_info(repo_id, revision=rev)
+        info = _model_info(api, repo_id, rev)
         names = {s.rfilename for s in info.siblings or []}
         wanted = _choose(repo_id, names)
         fetched: dict[str, Path] = {}
@@ -133,6 +134,42 @@ def download(repo_id: str, *, revision: str | None = None, progress: bool = True
             "command again to resume it, or set HF_HUB_OFFLINE=1 to use the cache"
         ) from None
     return fetched[CONFIG].parent
+
+
+def _model_info(api, repo_id: str, revision: str):
+    """The repository's listing: the first request, where a missing network shows."""
+    try:
+        return api.model_info(repo_id, revision=revision)
+    except OSError as exc:
+        reason = _unreachable(exc)
+        if reason is None:
+            raise
+        raise CheckpointError(
+            f"cannot reach the Hugging Face Hub at {endpoint()} ({reason}) to fetch {repo_id}: "
+            "pass a local folder holding its config.json and weights instead (txlm convert "
+            "--from hf PATH), or set HF_HUB_OFFLINE=1 to use the cache"
+        ) from None
+
+
+def _unreachable(exc: BaseException) -> str | None:
+    """Why no connection could be made (refused, unresolved, timed out), or None when the
+    failure is something else."""
+    import requests
+
+    if not isinstance(exc, requests.exceptions.ConnectionError):
+        return None
+    text = str(exc)
+    for needle, reason in (
+        ("Connection refused", "connection refused"),
+        ("Name or service not known", "host name not resolved"),
+        ("Temporary failure in name resolution", "host name not resolved"),
+        ("NameResolutionError", "host name not resolved"),
+        ("Network is unreachable", "network unreachable"),
+        ("timed out", "timed out"),
+    ):
+        if needle in text:
+            return reason
+    return "no connection"
 
 
 def _first_line(exc: BaseException) -> str:

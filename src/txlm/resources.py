@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -223,17 +223,20 @@ def training_needs(
     chunks: int,
     precision: str,
     optimizer_moments: int = 2,
+    frozen: int = 0,
 ) -> list[Need]:
     """One rank's training step: ``rows`` its rows per step (b), ``chunks`` the gradient
-    accumulation chunks they are split into."""
+    accumulation chunks they are split into; ``frozen`` parameters (``optim.freeze``) have
+    neither gradients nor Adam's moments."""
     p = parameter_count(c)
+    trained = max(p - frozen, 0)
     chunk = max(rows // max(chunks, 1), 1)
     return [
         Need("the model's weights", 4 * p, "model.d_model, model.n_layer or model.d_inner"),
         Need(
             "gradients and Adam's moments",
-            4 * p * (1 + optimizer_moments),
-            "model.d_model, model.n_layer or model.d_inner",
+            4 * trained * (1 + optimizer_moments),
+            "model.d_model, model.n_layer or model.d_inner (or optim.freeze)",
         ),
         Need(
             "the activations of one step",
@@ -248,15 +251,38 @@ def training_needs(
     ]
 
 
-def check_training(c: ModelConfig, device: torch.device, train: Any, world_size: int) -> None:
+def check_training(
+    c: ModelConfig, device: torch.device, train: Any, world_size: int, *, frozen: int = 0
+) -> None:
     """Refuse a training configuration (``TrainConfig`` ``train``, model ``c``) whose step
-    cannot fit on ``device``, each of ``world_size`` ranks holding its share of the rows."""
+    cannot fit on ``device``, each of ``world_size`` ranks holding its share of the rows;
+    ``frozen``: how many of the parameters ``optim.freeze`` keeps (no gradients or moments).
+    A run started from a checkpoint (``train.init``) holds its weights a second time while
+    they are copied in, and cannot shrink the model: its weights fix the sizes."""
     needs = training_needs(
         c,
         rows=max(train.data.batch_size // world_size, 1),
         chunks=train.optim.grad_accum,
         precision=train.run.precision,
+        frozen=frozen,
     )
+    if getattr(train, "init", None) is not None:
+        fixed = (
+            "the model's size (the --init checkpoint's weights fix it: start from a smaller one)"
+        )
+        needs = [
+            replace(
+                n,
+                lower=fixed
+                + (", or freeze parts of it (optim.freeze)" if "optim.freeze" in n.lower else ""),
+            )
+            if n.lower.startswith("model.d_model")
+            else n
+            for n in needs
+        ]
+        needs.append(
+            Need("the --init checkpoint's weights, copied in", 4 * parameter_count(c), fixed)
+        )
     check(needs, device, doing="training")
 
 

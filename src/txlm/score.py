@@ -10,6 +10,7 @@ N - 1 output values grow with the text.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -21,7 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm.errors import CheckpointError, ConfigError, DataError
+from txlm.checkpoint import Checkpoint
+from txlm.errors import ConfigError, DataError
 from txlm.evaluate import stream_segments
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
@@ -114,15 +116,8 @@ def summarize(log_probs: Tensor, *, tgt_len: int, mem_len: int) -> TextScore:
     )
 
 
-def checkpoint_vocab(directory: str | Path) -> Any:
-    """The vocabulary saved with a checkpoint, checked against it (``checkpoint.load_vocab``)."""
-    from txlm.checkpoint import load_vocab
-
-    return load_vocab(directory)
-
-
 def score_file(
-    checkpoint: str | Path,
+    checkpoint: str | Path | Checkpoint,
     path: str | Path,
     *,
     tgt_len: int | None = None,
@@ -134,46 +129,34 @@ def score_file(
 ) -> dict[str, Any]:
     """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
 
-    Lengths default to the checkpoint's evaluation lengths when training recorded them
-    (``train.eval`` in config.json), else to the model's. Symbols outside the vocabulary
-    become ``<unk>`` when it has one, else the file is refused.
+    ``checkpoint``: a directory or an open ``Checkpoint``. Lengths default to its evaluation
+    lengths (``Checkpoint.lengths``). Symbols outside the vocabulary become ``<unk>`` when it
+    has one, else the file is refused.
     """
-    from txlm.checkpoint import load, read_config, resolve
-
-    ckpt = resolve(checkpoint)
-    saved = (read_config(ckpt).get("train") or {}).get("eval") or {}
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
+    used = ckpt.lengths(tgt_len, mem_len, clamp_len, same_length)
     file = Path(path)
     if not file.is_file():
         raise DataError(f"text file {file} does not exist")
-    model = load(ckpt, device=device)
-    vocab = checkpoint_vocab(ckpt)
-    if len(vocab) != model.config.vocab_size:
-        raise CheckpointError(
-            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
-        )
+    vocab = ckpt.vocab()
+    model = ckpt.load_model(device)
     try:
         text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
-    ids = vocab.encode(text)
+    from txlm.convert import normalize_text, text_options  # a converted tokenizer's rules
+
+    ids = vocab.encode(
+        text if isinstance(text, bytes) else normalize_text(text, text_options(ckpt.data))
+    )
     if vocab.doc_start_id is not None:  # the file is a document: read it as training did
         ids = [vocab.doc_start_id, *ids]
     ids = torch.as_tensor(ids, dtype=torch.long)
     n_bytes = len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
 
-    def pick(value: Any, key: str) -> Any:
-        return value if value is not None else saved.get(key)
-
-    lengths = dict(
-        tgt_len=pick(tgt_len, "eval_tgt_len"),
-        mem_len=pick(mem_len, "eval_mem_len"),
-        clamp_len=pick(clamp_len, "eval_clamp_len"),
-        same_length=pick(same_length, "same_length"),
-    )
     began = time.perf_counter()
-    log_probs = score(model, ids, **lengths, progress=progress)
+    log_probs = score(model, ids, **dataclasses.asdict(used), progress=progress)
     seconds = time.perf_counter() - began
-    used = Lengths.of(model.config, **lengths)
     result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
     from txlm.data.metrics import metric_for_level, metrics
 
@@ -184,7 +167,7 @@ def score_file(
     tokens_per_byte = log_probs.numel() / max(n_bytes, 1)
     result.update(
         file=str(file),
-        checkpoint=str(ckpt),
+        checkpoint=str(ckpt.path),
         metric=metric,
         loss=result["nll"],
         clamp_len=used.clamp_len,

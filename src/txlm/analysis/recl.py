@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from txlm.checkpoint import vocab_fingerprint
+from txlm.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
 from txlm.model.modes import evaluating
@@ -200,13 +200,13 @@ def check_contexts(contexts: Sequence[int]) -> None:
         )
 
 
-def check_same_vocabulary(checkpoints: Sequence[str | Path]) -> None:
+def check_same_vocabulary(checkpoints: Sequence[Checkpoint]) -> None:
     """Every model of the group must read the same token ids: one vocabulary."""
-    first = vocab_fingerprint(checkpoints[0])
+    first = checkpoints[0].vocab_fingerprint
     for other in checkpoints[1:]:
-        found = vocab_fingerprint(other)
+        found = other.vocab_fingerprint
         if first is not None and found is not None and found != first:
-            raise CheckpointError(f"{other} has another vocabulary than {checkpoints[0]}")
+            raise CheckpointError(f"{other.path} has another vocabulary than {checkpoints[0].path}")
 
 
 # -- per-token losses from a model ------------------------------------------------------------

@@ -9,11 +9,12 @@ training memory: the relative encoding has no absolute positions to run out of.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from txlm.commands import eval_file
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, apply_threads
 from txlm.devices import check_precision, resolve_device
 
 
@@ -27,16 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--split", default="test", choices=["train", "valid", "test"], help="default test"
     )
-    p.add_argument(
-        "--tgt-len", type=int, default=None, help="segment length (default: preset's eval)"
-    )
-    p.add_argument(
-        "--mem-len", type=int, default=None, help="memory length (default: preset's eval)"
-    )
+    # each length's default: the one the run evaluated with, else the model's (Checkpoint.lengths)
+    p.add_argument("--tgt-len", type=int, default=None, help="segment length (default: the run's)")
+    p.add_argument("--mem-len", type=int, default=None, help="memory length (default: the run's)")
     p.add_argument("--clamp-len", type=int, default=None, help="clamp relative distances (-1: off)")
     p.add_argument(
         "--same-length", action=argparse.BooleanOptionalAction, default=None,
-        help="every query sees the same number of keys (default: preset's eval)",
+        help="every query sees the same number of keys (default: the run's)",
     )  # fmt: skip
     p.add_argument(
         "--batch-size", type=int, default=None,
@@ -77,9 +75,9 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.file is not None:  # any text file instead of a prepared split
         return eval_file.run(args)
-    import torch
 
-    from txlm import checkpoint, resources
+    from txlm import resources
+    from txlm.checkpoint import Checkpoint
     from txlm.data import open_corpus
     from txlm.errors import CheckpointError
     from txlm.evaluate import evaluate_tokens
@@ -88,62 +86,53 @@ def run(args: argparse.Namespace) -> int:
     _positive("mem-len", args.mem_len, 0)
     _positive("batch-size", args.batch_size)
     _positive("max-steps", args.max_steps)
-    if args.threads is not None:
-        _positive("threads", args.threads)
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 
-    ckpt = checkpoint.resolve(args.checkpoint)
-    saved = checkpoint.read_config(ckpt)
-    train = saved.get("train") or {}
+    ckpt = Checkpoint.open(args.checkpoint)
+    if ckpt.data.get("task") == "classify":  # accuracy, per-class scores: eval_classifier
+        from txlm.commands import eval_classifier
+
+        return eval_classifier.run(args, ckpt.data)
+    train = ckpt.train_config or {}
     data = train.get("data") or {}
-    defaults = train.get("eval") or {}
     dataset = args.dataset or data.get("dataset")
     if not dataset:
-        raise CheckpointError(f"{ckpt} does not name its dataset: pass --dataset")
-    fingerprint = checkpoint.vocab_fingerprint(ckpt)
+        raise CheckpointError(f"{ckpt.path} does not name its dataset: pass --dataset")
+    fingerprint = ckpt.vocab_fingerprint
     if fingerprint is None:
         raise CheckpointError(
-            f"{ckpt} records no vocabulary (no vocab.json, no fingerprint): nothing says its "
-            f"token ids are those of {dataset}"
+            f"{ckpt.path} records no vocabulary (no vocab.json, no fingerprint): nothing says "
+            f"its token ids are those of {dataset}"
         )
+    lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len, args.same_length)
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     corpus = open_corpus(
         dataset,
         args.data_dir or data.get("data_dir"),
         level=data.get("level"),
         fingerprint=fingerprint,
-        owner=str(ckpt),
+        owner=str(ckpt.path),
         log=_note,  # on stderr, so --json output stays one object
         progress=show,
     )
-    model = checkpoint.load(ckpt, device=device)
-
-    def pick(flag, key):
-        return flag if flag is not None else defaults.get(key)
-
-    batch_size = pick(args.batch_size, "batch_size") or 1
-    lengths = dict(
-        tgt_len=pick(args.tgt_len, "eval_tgt_len"),
-        mem_len=pick(args.mem_len, "eval_mem_len"),
-        clamp_len=pick(args.clamp_len, "eval_clamp_len"),
-        same_length=pick(args.same_length, "same_length"),
-    )
+    model = ckpt.load_model(device)
+    recorded_rows = (train.get("eval") or {}).get("batch_size")
+    batch_size = args.batch_size or recorded_rows or 1
     # A memory or cache that cannot fit is refused before it is allocated (a lower bound,
     # txlm.resources); the loaded weights are already taken from what is available.
-    c, tokens = model.config, corpus.split(args.split)
+    tokens = corpus.split(args.split)
     resources.check_evaluation(
-        c, device, weights=0, rows=min(batch_size, max(len(tokens) - 1, 1)),
-        tgt_len=lengths["tgt_len"] or c.tgt_len,
-        mem_len=c.mem_len if lengths["mem_len"] is None else lengths["mem_len"],
+        ckpt.model_config, device, weights=0, rows=min(batch_size, max(len(tokens) - 1, 1)),
+        tgt_len=lengths.tgt_len, mem_len=lengths.mem_len,
         precision=args.precision, kv_cache=args.kv_cache,
     )  # fmt: skip
     result = evaluate_tokens(
         model,
         tokens,
         batch_size=batch_size,
-        **lengths,
+        **dataclasses.asdict(lengths),
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,
@@ -153,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache=args.kv_cache,
         compile=args.compile,
     )
-    result.update(checkpoint=str(ckpt), split=args.split, dataset=dataset)
+    result.update(checkpoint=str(ckpt.path), split=args.split, dataset=dataset)
     if corpus.vocab.unk is not None:
         result["unk_tokens"] = corpus.unk_tokens(args.split)
     if args.json:

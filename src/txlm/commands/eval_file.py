@@ -9,15 +9,20 @@ become ``<unk>`` when it has one, otherwise the file is refused (exit 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from txlm.config import ModelConfig
 from txlm.devices import resolve_device
-from txlm.errors import CheckpointError, ConfigError
+from txlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from txlm.checkpoint import Checkpoint
+    from txlm.model.lengths import Lengths
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from txlm.checkpoint import Checkpoint
     from txlm.score import score_file
 
     for name, minimum in (("tgt_len", 1), ("mem_len", 0)):
@@ -38,15 +44,17 @@ def run(args: argparse.Namespace) -> int:
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(getattr(args, "device", "auto"))
-    _check_memory(args, device)
+    ckpt = Checkpoint.open(args.checkpoint)
+    lengths = ckpt.lengths(
+        getattr(args, "tgt_len", None), getattr(args, "mem_len", None),
+        getattr(args, "clamp_len", None), getattr(args, "same_length", None),
+    )  # fmt: skip
+    _check_memory(args, ckpt, device, lengths)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
     result = score_file(
-        args.checkpoint,
+        ckpt,
         args.file,
-        tgt_len=getattr(args, "tgt_len", None),
-        mem_len=getattr(args, "mem_len", None),
-        clamp_len=getattr(args, "clamp_len", None),
-        same_length=getattr(args, "same_length", None),
+        **dataclasses.asdict(lengths),
         device=device,
         progress=not quiet and sys.stderr.isatty(),
     )
@@ -57,32 +65,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
-    """Before loading: refuse a text, memory or segment that cannot fit (txlm.resources).
-    The lengths default as ``score_file`` defaults them."""
-    from txlm import checkpoint, resources
-
-    ckpt = checkpoint.resolve(args.checkpoint)
-    data = checkpoint.read_config(ckpt)
-    saved = (data.get("train") or {}).get("eval") or {}
-    try:
-        config = ModelConfig.from_dict(data.get("model"))  # type: ignore[arg-type]
-    except ConfigError as exc:  # as checkpoint.load words it
-        raise CheckpointError(f"{ckpt / checkpoint.CONFIG_FILE}: {exc}") from None
-
-    def pick(name: str, key: str, default: int) -> int:
-        value = getattr(args, name, None)
-        value = saved.get(key) if value is None else value
-        return default if value is None else value
+def _check_memory(
+    args: argparse.Namespace, ckpt: Checkpoint, device: torch.device, lengths: Lengths
+) -> None:
+    """Before loading: refuse a text, memory or segment that cannot fit (txlm.resources)."""
+    from txlm import resources
+    from txlm.checkpoint import WEIGHTS_FILE
 
     if args.file.exists() and not args.file.is_file():
         # a device or a pipe may never end, and the file is read whole
         raise ConfigError(f"--file {args.file} is not a regular file: pass a text file")
     text_bytes = _size(args.file)  # score_file names a missing or unreadable file
     resources.check_evaluation(
-        config, device, weights=_size(ckpt / checkpoint.WEIGHTS_FILE), rows=1,
-        tgt_len=pick("tgt_len", "eval_tgt_len", config.tgt_len),
-        mem_len=pick("mem_len", "eval_mem_len", config.mem_len),
+        ckpt.model_config, device, weights=_size(ckpt.path / WEIGHTS_FILE), rows=1,
+        tgt_len=lengths.tgt_len, mem_len=lengths.mem_len,
         precision=getattr(args, "precision", "fp32"), kv_cache=False, text_bytes=text_bytes,
     )  # fmt: skip
 

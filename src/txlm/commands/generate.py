@@ -18,16 +18,15 @@ from typing import Any
 
 import torch
 
-from txlm.checkpoint import load
-from txlm.commands.options import add_device_options
+from txlm.checkpoint import Checkpoint
+from txlm.commands.options import add_device_options, apply_threads
+from txlm.convert import normalize_text, text_options
 from txlm.devices import check_precision, resolve_device
-from txlm.errors import CheckpointError, ConfigError
+from txlm.errors import ConfigError
 from txlm.evaluate import autocast
 from txlm.generate import stream
-from txlm.model.lengths import Lengths
 from txlm.prompts import encode_prompt, end_token, read_prompt_file, start_token
 from txlm.sampling import SamplingConfig
-from txlm.score import checkpoint_vocab
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
 
@@ -60,10 +59,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"read at most the last N prompt tokens (default {DEFAULT_MAX_CONTEXT}; 0: all)",
     )
-    p.add_argument("--mem-len", type=int, default=None, metavar="N", help="memory length")
-    p.add_argument("--tgt-len", type=int, default=None, metavar="N", help="context segment")
+    # as in txlm eval: each default is the length the run evaluated with, else the model's
+    from_run = "(default: the run's evaluation length)"
     p.add_argument(
-        "--clamp-len", type=int, default=None, metavar="N", help="clamp relative distances"
+        "--mem-len", type=int, default=None, metavar="N", help=f"memory length {from_run}"
+    )
+    p.add_argument(
+        "--tgt-len", type=int, default=None, metavar="N", help=f"context segment {from_run}"
+    )
+    p.add_argument(
+        "--clamp-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"clamp relative distances {from_run}",
     )
     add_device_options(p, precision=True)
     p.add_argument("--no-cache", action="store_true", help="re-project the memory each step")
@@ -138,28 +147,21 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.max_context < 0:
         raise ConfigError(f"--max-context must be >= 0 (0: all), got {args.max_context}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     texts = _read_prompts(args)
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 
-    model = load(args.checkpoint, device=device)
-    vocab = checkpoint_vocab(args.checkpoint)
-    if len(vocab) != model.config.vocab_size:
-        raise CheckpointError(
-            f"vocab.json has {len(vocab)} symbols but the model {model.config.vocab_size}"
-        )
+    ckpt = Checkpoint.open(args.checkpoint)
     # the lengths of this run only: the model keeps the ones it was built with
-    lengths = Lengths.of(
-        model.config, tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len
-    )
+    lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len)
+    vocab = ckpt.vocab()
+    model = ckpt.load_model(device)
     _check_memory(args, model, device, rows=len(texts) * args.num_samples, mem_len=lengths.mem_len)
 
     prompts = []
-    for ids, n_unk in (encode_prompt(vocab, text) for text in texts):
+    options = text_options(ckpt.data)  # a converted tokenizer's lower-casing, if any
+    for ids, n_unk in (encode_prompt(vocab, normalize_text(t, options)) for t in texts):
         if n_unk:
             sys.stderr.write(
                 f"txlm: note: {n_unk} prompt symbol(s) not in the vocabulary -> <unk>\n"

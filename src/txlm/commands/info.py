@@ -77,11 +77,16 @@ def ablation_table() -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from txlm.checkpoint import load, read_config
+        from txlm.checkpoint import Checkpoint
 
-        data = read_config(args.checkpoint)
-        model = load(args.checkpoint)
-        summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **data}
+        ckpt = Checkpoint.open(args.checkpoint)
+        if ckpt.data.get("task") == "classify":  # body and head (txlm.classification)
+            from txlm.classification import load_classifier
+
+            model = load_classifier(ckpt.path)
+        else:
+            model = ckpt.load_model()
+        summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **ckpt.data}
         print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
         return 0
     rows = preset_table()

@@ -38,6 +38,20 @@ def add_device_options(
     p.add_argument("--threads", type=int, default=None, metavar="N", help=threads_help)
 
 
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's CPU threads from ``--threads`` (left as they are without it); ``cli.main``
+    gives the caller its own count back when the command returns."""
+    if args.threads is None:
+        return
+    if args.threads < 1:
+        from txlm.errors import ConfigError
+
+        raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+    import torch
+
+    torch.set_num_threads(args.threads)
+
+
 def config_overrides(args: argparse.Namespace) -> list[str]:
     """The ``--set`` items of the device options given on a command added ``in_config``;
     they go after the user's own ``--set`` items, so the named option wins."""

@@ -2,6 +2,8 @@
 
 txlm train [--preset P] [--config F.yaml ...] [--set key=value ...] [--out DIR]
 txlm train --resume runs/x/last [--set optim.max_steps=N ...]
+txlm train --init CKPT --set data.dataset=text:notes.txt ...   (fine-tune CKPT's model)
+txlm train --init CKPT --task classify --set data.dataset=classes:DIR ...   (a classifier)
 txlm train --out runs/x --overwrite   (replace the run that runs/x holds)
 torchrun --standalone --nproc_per_node N -m txlm train ...   (N GPUs, or N CPU processes)
 """
@@ -28,7 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and print a sample. Configuration: preset -> --config YAML files -> --set overrides. "
         "Metrics go to out/metrics.jsonl and, with the tensorboard package, to "
         "out/tensorboard (tensorboard --logdir OUT/tensorboard). Several processes: "
-        "torchrun --standalone --nproc_per_node N -m txlm train ... (data.batch_size is global).",
+        "torchrun --standalone --nproc_per_node N -m txlm train ... (data.batch_size is global). "
+        "run.time_budget_s caps the training seconds of each invocation: a --resume gets the "
+        "whole budget again.",
     )
     p.add_argument(
         "--preset", default=None, help="model + training preset (default shakespeare-char)"
@@ -41,10 +45,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="YAML overrides (repeatable)",
     )
     add_set_option(p, "dotted overrides, e.g. optim.lr=1e-3 model.n_layer=2 data.batch_size=8")
-    p.add_argument("--out", default=None, help="output directory (default runs/<preset>)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default runs/<preset>; with --init CKPT, runs/<CKPT's run>-ft)",
+    )
     p.add_argument(
         "--resume", default=None, metavar="DIR", help="continue exactly from a `last` checkpoint"
     )
+    p.add_argument(
+        "--init",
+        default=None,
+        metavar="CKPT",
+        help="start a new run from CKPT's model (a `txlm train` or `txlm convert` checkpoint): "
+        "its configuration, weights and vocabulary (the corpus is encoded with it); fresh "
+        "optimizer, schedule and counters; model.* may set only dropout, dropatt, tgt_len, "
+        "mem_len, clamp_len and same_length",
+    )
+    p.add_argument(
+        "--task", default=None, choices=["lm", "classify"],
+        help="lm: a language model (default); classify: a document classifier on the --init "
+        "checkpoint's body, data.dataset=classes:DIR (txlm.training.classify_task)",
+    )  # fmt: skip
     add_device_options(p, in_config=True)
     p.add_argument(
         "--overwrite",
@@ -90,6 +112,15 @@ def run(args: argparse.Namespace) -> int:
 
     base = None
     resume = None
+    init = None
+    if args.init and args.resume:
+        raise ConfigError(
+            "--init starts a new run from a checkpoint, --resume continues a run: pass one"
+        )
+    if args.init:
+        from txlm.training.init import open_init
+
+        init = open_init(args.init)
     if args.resume:
         resume = checkpoint.resolve(args.resume)
         saved = checkpoint.read_config(resume)
@@ -98,13 +129,25 @@ def run(args: argparse.Namespace) -> int:
         base = TrainConfig.from_dict(saved["train"])
         if args.preset:
             raise CheckpointError("--resume takes the checkpoint's configuration; drop --preset")
-    config = resolve(args.preset, args.config, [*args.sets, *config_overrides(args)], base=base)
+    config = resolve(
+        args.preset, args.config, [*args.sets, *config_overrides(args)], base=base, init=init
+    )
+    if args.task is not None and args.task != config.task:
+        if resume is not None:
+            raise ConfigError(f"--resume continues a task={config.task} run; drop --task")
+        config.task = args.task
     if args.print_config:
         print(config.to_yaml(), end="")
         return 0
     out = args.out or config.run.out_dir
     if out is None:
-        out = str(Path(args.resume).parent) if args.resume else f"runs/{config.preset}"
+        if args.resume:
+            out = str(Path(args.resume).parent)
+        elif init is not None:  # not the run it starts from (runs/NAME/best -> runs/NAME-ft)
+            run = init.path.parent if init.path.name in ("best", "last") else init.path
+            out = f"runs/{run.resolve().name}-ft"
+        else:
+            out = f"runs/{config.preset}"
     config.run.out_dir = out
     held = used_by_another_run(Path(out), resume)
     if held and not args.overwrite:
@@ -127,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     code = int(summary.get("exit_code", 0))
     if trainer.dist.enabled:
-        # Under torchrun with gloo (torch 2.13) a rank sometimes aborts after Python is done,
-        # in C++ teardown ("terminate called without an active exception", no Python frame;
-        # ~1 run in 10 on a busy 2-core machine), and torchrun then reports the run failed.
+        # Under torchrun with gloo (torch 2.13) a rank can abort after Python is done, in C++
+        # teardown ("terminate called without an active exception", no Python frame), and
+        # torchrun then reports the run failed.
         # Everything is written, closed and the process group left by now: skip the teardown.
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,11 +15,12 @@ on train here, splits.py writes each split's ids.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ import numpy as np
 from txlm import atomic
 from txlm.data import bpe, recall, sources
 from txlm.data.building import building
-from txlm.data.corpora import SPECS, RawCorpus
+from txlm.data.corpora import SPECS, Piece, RawCorpus, SplitSource
 from txlm.data.metrics import metric_for_level
 from txlm.data.prepared import (
     FORMAT,
@@ -42,12 +43,30 @@ from txlm.data.vocab import TOKENIZER_FILE, Vocab, check_fingerprint
 from txlm.errors import DataError
 
 
-def prepared_folder(name: str, data_dir: str | Path, level: str | None = None) -> Path:
-    """Where ``prepare_dataset(name, data_dir, level=level)`` keeps its copy."""
+def prepared_folder(
+    name: str,
+    data_dir: str | Path,
+    level: str | None = None,
+    *,
+    vocab: Vocab | None = None,
+    lower_case: bool = False,
+) -> Path:
+    """Where ``prepare_dataset(name, data_dir, level=level, vocab=vocab, ...)`` keeps its copy.
+
+    A copy encoded with a given vocabulary (a checkpoint's) carries its level and fingerprint
+    in the name, after a "+" that no name of the corpus's own copies holds: it can never be
+    taken for a copy with the corpus's own vocabulary, nor for one with another checkpoint's.
+    """
     if recall.is_recall(name):
         return Path(data_dir) / recall.parse_spec(name).folder_name
     kind, user_path = sources.parse_name(name)
-    return Path(data_dir) / sources.out_name(kind, level or SPECS[kind].default_level, user_path)
+    if vocab is None:
+        level = level or SPECS[kind].default_level
+        return Path(data_dir) / sources.out_name(kind, level, user_path)
+    base = sources.out_name(kind, SPECS[kind].default_level, user_path)
+    suffix = "-lower" if lower_case else ""
+    # "+": never in a name of the corpus's own copies (text: stems keep [A-Za-z0-9_.-])
+    return Path(data_dir) / f"{base}+{vocab.level}-vocab-{vocab.fingerprint}{suffix}"
 
 
 def prepare_dataset(
@@ -61,6 +80,8 @@ def prepare_dataset(
     min_freq: int | None = None,
     max_vocab: int | None = None,
     vocab_size: int | None = None,
+    vocab: Vocab | None = None,
+    lower_case: bool = False,
 ) -> Path:
     """Prepare ``name`` under ``data_dir`` (reusing an up-to-date copy) and return its folder.
 
@@ -68,22 +89,35 @@ def prepare_dataset(
     Vocabulary options (None: as the existing copy, else the default): ``min_freq`` and
     ``max_vocab`` bound word vocabularies built from train (not lm1b's own; rarer words
     become ``<unk>``; ``max_vocab=0``: no cap), ``vocab_size`` is the bpe level's target size.
+
+    ``vocab``: encode with this vocabulary (a checkpoint's, to fine-tune it) instead of one
+    built from train; its level is the level, no vocabulary option applies, ids are kept as
+    they are, and a train split with no symbol the vocabulary knows is refused.
+    ``lower_case``: lower-case the text first (a converted tokenizer that did so).
     """
     if recall.is_recall(name):  # generated, not read: its own writer (same layout)
+        if vocab is not None:
+            raise DataError("recall builds its own alphabet: it cannot take a checkpoint's")
         if level not in (None, "char"):
             raise DataError(f"recall is a character-level task, not {level!r}")
         return recall.prepare_recall(name, data_dir, force=force)
     kind, user_path = sources.parse_name(name)
-    spec = SPECS[kind]
-    level = level or spec.default_level
-    if level not in spec.levels:
-        raise DataError(f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}")
     mirror = mirror or os.environ.get("TXLM_MIRROR") or None
     data_dir = Path(data_dir)
-    out = data_dir / sources.out_name(kind, level, user_path)
-    options = _vocab_options(
-        out, level, {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
-    )
+    given = {"min_freq": min_freq, "max_vocab": max_vocab, "vocab_size": vocab_size}
+    if vocab is None:
+        spec = SPECS[kind]
+        level = level or spec.default_level
+        if level not in spec.levels:
+            raise DataError(
+                f"{kind} is available at level {' or '.join(spec.levels)}, not {level!r}"
+            )
+        out = data_dir / sources.out_name(kind, level, user_path)
+        options = _vocab_options(out, level, given)
+    else:
+        level = _given_vocab_level(vocab, level, given)
+        out = prepared_folder(name, data_dir, vocab=vocab, lower_case=lower_case)
+        options = {"vocab": vocab.fingerprint, "lower_case": lower_case}
     min_freq, max_vocab = options.get("min_freq", 1), options.get("max_vocab")
     vocab_size = options.get("vocab_size", bpe.DEFAULT_VOCAB_SIZE)
 
@@ -101,24 +135,34 @@ def prepare_dataset(
     if not force and is_current(out, key):
         return out
 
+    def vocabulary(raw: RawCorpus) -> Vocab:
+        if vocab is not None:
+            return vocab
+        return _build_vocab(
+            raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
+        )
+
     # Local text needs no scratch folder: read and check it (binary, empty, ...) before
     # creating anything, so a refused first prepare leaves no DATA_DIR behind.
     raw: RawCorpus | None = None
     if kind in ("text", "shakespeare"):
         raw = sources.read(kind, user_path, paths, data_dir)
-        vocab = _build_vocab(
-            raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
-        )
+        used = vocabulary(raw)
     with building(data_dir, out) as tmp:
         work = tmp / "raw"
         work.mkdir()
         if raw is None:
             raw = sources.read(kind, user_path, paths, work)
-            vocab = _build_vocab(
-                raw, level, min_freq=min_freq, max_vocab=max_vocab, vocab_size=vocab_size
-            )
-        vocab, splits_meta, train_counts = encode_splits(raw, vocab, tmp, progress=progress)
-        vocab.save(tmp / "vocab.json")
+            used = vocabulary(raw)
+        if lower_case:
+            raw = _lower_cased(raw)
+        # a given vocabulary keeps its ids: they are what its model reads
+        used, splits_meta, train_counts = encode_splits(
+            raw, used, tmp, progress=progress, renumber=vocab is None
+        )
+        if vocab is not None:
+            _refuse_all_unknown(vocab, train_counts, name)
+        used.save(tmp / "vocab.json")
         meta = {
             "format": FORMAT,
             "version": FORMAT_VERSION,
@@ -126,18 +170,18 @@ def prepare_dataset(
             "name": out.name,
             "level": level,
             "metric": metric_for_level(level),
-            "dtype": vocab.dtype.name,
-            "vocab_size": len(vocab),
-            "vocab_fingerprint": vocab.fingerprint,
+            "dtype": used.dtype.name,
+            "vocab_size": len(used),
+            "vocab_fingerprint": used.fingerprint,
             "input_key": key,
             "options": options,
             "sources": inputs,
             "source_bytes": sum(int(s["bytes"]) for s in inputs),
-            "tokenizer": _tokenizer_settings(level, vocab, options),
+            "tokenizer": _tokenizer_settings(level, used, options),
             "corpus": raw.settings,
             "splits": splits_meta,
         }
-        if level in ("bpe", "word"):
+        if level in ("bpe", "word") and vocab is None:
             meta["adaptive_softmax"] = {
                 "ids": "sorted by train count (specials first)",
                 "suggested_cutoffs": bpe.suggest_cutoffs(train_counts),
@@ -146,6 +190,53 @@ def prepare_dataset(
         atomic.write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
     return out
+
+
+def _given_vocab_level(vocab: Vocab, level: str | None, options: dict) -> str:
+    """The level of a corpus encoded with ``vocab``: the vocabulary's own; another level
+    asked for, or a vocabulary option (which would build one), is refused by name."""
+    if level is not None and level != vocab.level:
+        raise DataError(
+            f"data.level={level} contradicts the checkpoint's {vocab.level} vocabulary "
+            "(the corpus is encoded with it): drop data.level"
+        )
+    for key, value in options.items():
+        if value is not None:
+            raise DataError(
+                f"{_FLAG[key]} ({key}) builds a vocabulary; the checkpoint's is used as it is"
+            )
+    return vocab.level
+
+
+def _lower_cased(raw: RawCorpus) -> RawCorpus:
+    from txlm.convert import normalize_text  # the one rule, shared with whatever encodes text
+
+    options = {"lower_case": True}
+
+    def lowered(source: SplitSource) -> SplitSource:
+        def pieces() -> Iterator[Piece]:
+            for text, new_doc in source.pieces():
+                yield (normalize_text(text, options) if isinstance(text, str) else text), new_doc
+
+        return SplitSource(pieces, line_docs=source.line_docs)
+
+    splits = {name: lowered(source) for name, source in raw.splits.items()}
+    return dataclasses.replace(raw, splits=splits)
+
+
+def _refuse_all_unknown(vocab: Vocab, train_counts: np.ndarray, name: str) -> None:
+    """A corpus of which the vocabulary knows nothing but spaces, line ends and its special
+    symbols would train the model on ``<unk>``."""
+    if vocab.unk_id is None:
+        return
+    specials = {i for i in (vocab.unk_id, vocab.eos_id, vocab.bos_id) if i is not None}
+    blank = {i for i, sym in enumerate(vocab.symbols) if not sym.strip()}
+    seen = np.flatnonzero(train_counts)
+    if all(int(i) in specials or int(i) in blank for i in seen):
+        raise DataError(
+            f"every symbol of {name}'s train split becomes {vocab.unk} with the checkpoint's "
+            f"{vocab.level} vocabulary: nothing to learn from"
+        )
 
 
 def open_corpus(
@@ -162,6 +253,8 @@ def open_corpus(
     min_freq: int | None = None,
     max_vocab: int | None = None,
     vocab_size: int | None = None,
+    vocab: Vocab | None = None,
+    lower_case: bool = False,
 ) -> PreparedCorpus:
     """The prepared corpus ``dataset``, prepared under ``data_dir`` (default: ``$TXLM_DATA_DIR``
     or ./data) if there is no up-to-date copy, or read as it is when ``dataset`` is a prepared
@@ -173,14 +266,18 @@ def open_corpus(
     prepared under another data directory) is kept only when it came out with that vocabulary,
     i.e. it is the same preparation; else it is removed again and the error names
     ``--data-dir``. ``log`` hears where a copy was prepared (``corpus.reused``: none was).
+    ``vocab`` and ``lower_case``: as ``prepare_dataset`` (the corpus encoded with a given
+    vocabulary; a prepared folder passed as ``dataset`` must have it).
     """
+    if vocab is not None:
+        fingerprint = vocab.fingerprint
     if (Path(dataset) / "meta.json").is_file():
         corpus = load_prepared(dataset)
         check_fingerprint(corpus.vocab, fingerprint, what=str(corpus.path), against=owner)
         corpus.reused = True
         return corpus
     data_dir = Path(data_dir) if data_dir else default_data_dir()
-    folder = prepared_folder(dataset, data_dir, level)
+    folder = prepared_folder(dataset, data_dir, level, vocab=vocab, lower_case=lower_case)
     before = _identity(folder)
     if fingerprint is not None and before is not None:
         found = _recorded_fingerprint(folder)
@@ -200,6 +297,8 @@ def open_corpus(
         min_freq=min_freq,
         max_vocab=max_vocab,
         vocab_size=vocab_size,
+        vocab=vocab,
+        lower_case=lower_case,
     )
     corpus = load_prepared(path)
     corpus.reused = before is not None and _identity(path) == before

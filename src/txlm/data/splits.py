@@ -21,17 +21,18 @@ INLINE_DOC_STARTS = 1 << 16  # more document offsets than this go to SPLIT.docs.
 
 
 def encode_splits(
-    raw: RawCorpus, vocab: Vocab, folder: Path, *, progress: bool
+    raw: RawCorpus, vocab: Vocab, folder: Path, *, progress: bool, renumber: bool = True
 ) -> tuple[Vocab, dict, np.ndarray]:
     """Every split written; the final vocabulary, the splits' meta.json and train's counts.
 
     A bpe vocabulary arrives numbered in merge order: train is encoded with it, then its ids
     are renumbered by the counts of that pass (renumber_by_count) and train.bin is
     rewritten through the map, before valid and test are encoded with the final numbering.
+    ``renumber=False`` keeps a given vocabulary's ids (a checkpoint's: its model reads them).
     """
     splits: dict = {}
     splits["train"], counts = encode_split(raw, "train", vocab, folder, progress=progress)
-    if isinstance(vocab, BPEVocab):
+    if renumber and isinstance(vocab, BPEVocab):
         vocab, lut = renumber_by_count(vocab, counts)
         file = folder / splits["train"]["file"]
         ids = np.fromfile(file, dtype=np.dtype(vocab.dtype).newbyteorder("<"))

@@ -4,8 +4,8 @@ optimisation step (``step``), a learning-rate schedule (``schedule``), the compo
 their own state (``state``) and the checkpoint manager they are handed to
 (``checkpoint_manager``), validation and the final evaluation (``evaluation``), what the run
 reports (``metrics``), which positions the loss counts (``objective``), bf16 compute
-weights (``precision``), signal handling (``signals``) and ``run.deterministic``
-(``determinism``)."""
+weights (``precision``), signal handling (``signals``), ``run.deterministic``
+(``determinism``) and a run started from a checkpoint's model (``init``: fine-tuning)."""
 
 from txlm.errors import TrainingError
 from txlm.training.loop import Trainer

@@ -135,7 +135,12 @@ class CheckpointManager:
             )
         if ModelConfig.from_dict(saved["model"]) != self.model_config:
             raise CheckpointError(f"{directory}: model.* settings differ from the checkpoint's")
-        loaded = checkpoint.load(directory, device=self.device)
+        if saved.get("task") == "classify":  # a classifier: body.* and head.* (txlm.classification)
+            from txlm.classification import load_classifier
+
+            loaded = load_classifier(directory, device=self.device)
+        else:
+            loaded = checkpoint.load(directory, device=self.device)
         self.model.load_state_dict(loaded.state_dict())
         self.model.train()
         # Each of the three resume-only files may be damaged or foreign (truncated, zero

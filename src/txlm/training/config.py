@@ -58,6 +58,9 @@ class OptimConfig:
     # Which positions the loss counts (txlm.training.objective): full, or half (the last
     # L/2 of each segment: the paper's Table 6 ablation objective).
     loss: Literal["full", "half"] = "full"
+    # Parameter-name prefixes to keep as they are (no gradient, no Adam state), e.g. a large
+    # word model's embedding and softmax when fine-tuning: [embed, softmax].
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +73,10 @@ class EvalConfig:
     batch_size: int = 1  # rows of the evaluation stream (contiguous chunks of the split)
     max_eval_steps: int | None = None  # cap on segments per validation during training
     final_eval: bool = True  # evaluate `best` on valid and test at the end
+    # The final evaluation (and a fine-tuning run's init_valid) reads at most this many tokens
+    # of each split, so its cost stays bounded on a large corpus; None: whole splits. The
+    # default covers wt103's valid and test whole.
+    final_max_tokens: int | None = 1_000_000
     sample_tokens: int = 300  # generated sample at the end (0: none)
     sample_prompt: str = "ROMEO:"
     sample_top_k: int = 40
@@ -92,9 +99,11 @@ class RunConfig:
     log_interval: int = 10  # steps between metric records
     save_interval: int = 0  # also save `last` every N steps (0: at validations and the end)
     stop_at: int | None = None  # stop (resumably) after this step, schedule unchanged
-    # Wall-clock cap on training (seconds of train steps, validation excluded): the schedule
-    # runs on max(step / max_steps, time / budget), so a slow machine still gets a complete
-    # cosine decay, and training ends when either runs out. Makes a run machine-dependent.
+    # Wall-clock cap on the training of one invocation (seconds of train steps, validation
+    # excluded; a --resume gets it whole again): the schedule runs on the larger of the step
+    # and the spent fraction of the budget (from where it stood when the invocation began),
+    # so a slow machine still gets a complete cosine decay, and training ends when either
+    # runs out. Makes a run machine-dependent.
     time_budget_s: float | None = None
     progress: bool = True  # a bar on a terminal; else a plain line every progress_interval
     progress_interval: int = 100  # steps between plain progress lines (stderr not a terminal)
@@ -102,13 +111,29 @@ class RunConfig:
 
 
 @dataclass
+class ClassifyConfig:
+    """``task: classify`` (txlm.training.classify_task, txlm.classifier)."""
+
+    pooling: Literal["mean", "last"] = "mean"  # how the head pools the final-layer states
+    grad_segments: int = 1  # the last k segments of a document keep their graph (0: all)
+    # the seeded, stratified split of a classes:DIR without train/valid/test folders
+    valid_fraction: float = 0.1
+    test_fraction: float = 0.1
+
+
+@dataclass
 class TrainConfig:
     preset: str = DEFAULT_PRESET
+    # A checkpoint the run started from (txlm.training.init): its model section and weights,
+    # its vocabulary. None: a model built from the seed, a vocabulary built from the data.
+    init: str | None = None
+    task: Literal["lm", "classify"] = "lm"  # a language model, or a document classifier
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig fields but vocab_size
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    classify: ClassifyConfig = field(default_factory=ClassifyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,8 +143,9 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        config = cls(preset=data.get("preset", DEFAULT_PRESET))
-        _merge(config, data, "")
+        config = cls(preset=data.get("preset", DEFAULT_PRESET), init=data.get("init"))
+        config.task = _coerce("task", typing.get_type_hints(cls)["task"], data.get("task", "lm"))
+        _merge(config, {k: v for k, v in data.items() if k not in ("init", "task")}, "")
         config.validate()
         return config
 
@@ -153,7 +179,7 @@ class TrainConfig:
         check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
         check(e.eval_interval >= 0, f"eval.eval_interval must be >= 0, got {e.eval_interval}")
         check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
-        for name in ("eval_tgt_len", "max_eval_steps"):
+        for name in ("eval_tgt_len", "max_eval_steps", "final_max_tokens"):
             value = getattr(e, name)
             check(value is None or value >= 1, f"eval.{name} must be >= 1, got {value}")
         check(
@@ -178,6 +204,13 @@ class TrainConfig:
             r.device == "auto" or r.device == "cpu" or r.device.startswith("cuda"),
             f"run.device must be auto, cpu or cuda[:N], got {r.device!r}",
         )
+        k = self.classify
+        check(k.grad_segments >= 0, f"classify.grad_segments must be >= 0, got {k.grad_segments}")
+        check(
+            k.valid_fraction >= 0 and k.test_fraction >= 0
+            and k.valid_fraction + k.test_fraction < 1,
+            "classify.valid_fraction and test_fraction must be >= 0 with a sum below 1",
+        )  # fmt: skip
         # The model keys: validated by building the config with a stand-in vocabulary.
         if "vocab_size" in self.model:
             raise ConfigError("model.vocab_size comes from the data's vocabulary; do not set it")
@@ -260,10 +293,14 @@ def resolve(
     config_files: list[str] | None = None,
     sets: list[str] | None = None,
     base: TrainConfig | None = None,
+    init: Any = None,
 ) -> TrainConfig:
     """Compose preset -> YAML files -> --set overrides into a validated TrainConfig.
 
     ``base`` (a checkpoint's saved config, for --resume) replaces the preset layer.
+    ``init`` (a ``txlm.checkpoint.Checkpoint``, for --init) gives the model section: the
+    files and --set may change only what ``txlm.training.init.TUNABLE_MODEL_KEYS`` names,
+    and the evaluation lengths default to the model's, not the preset's.
     """
     files = [load_yaml(f) for f in config_files or []]
     if base is not None:
@@ -274,18 +311,26 @@ def resolve(
             if name is None and isinstance(data.get("preset"), str):
                 name = data["preset"]
         config = preset_config(name or DEFAULT_PRESET)
+    if init is not None:
+        config.model = {}  # from here on: the run's own model settings
+        e = config.eval
+        e.eval_tgt_len = e.eval_mem_len = e.eval_clamp_len = e.same_length = None
     for data in files:
         data = {k: v for k, v in data.items() if k != "preset"}
         _merge(config, data, "")
     for item in sets or []:
         key, value = parse_set(item)
         apply_set(config, key, value)
+    if init is not None:
+        from txlm.training.init import init_from
+
+        return init_from(init, config)
     config.validate()
     return config
 
 
 # -- typed merging ----------------------------------------------------------------------
-_SECTIONS = ("model", "data", "optim", "eval", "run")
+_SECTIONS = ("model", "data", "optim", "eval", "run", "classify")
 
 
 def _merge(config: TrainConfig, data: dict[str, Any], prefix: str) -> None:
@@ -294,6 +339,13 @@ def _merge(config: TrainConfig, data: dict[str, Any], prefix: str) -> None:
             if not isinstance(values, str) or values not in PRESETS:
                 raise ConfigError(f"unknown preset {values!r}; choose from: {', '.join(PRESETS)}")
             config.preset = values
+            continue
+        if section == "task":  # a top-level scalar, as --print-config writes it
+            config.task = _coerce("task", typing.get_type_hints(TrainConfig)["task"], values)
+            continue
+        if section == "init":  # --print-config writes the run's; a new one comes from --init
+            if values is not None:
+                raise ConfigError(f"{prefix}init is set with txlm train --init CKPT, not in a file")
             continue
         if section not in _SECTIONS:
             raise ConfigError(

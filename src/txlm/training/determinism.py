@@ -1,9 +1,10 @@
-"""``run.deterministic``: deterministic kernels for as long as the run is working, then the
-process's own settings again.
+"""``run.deterministic`` and ``run.threads``: deterministic kernels and the intra-op thread
+count for as long as the run is working, then the process's own settings again.
 
-torch's switch is process-wide; a ``Trainer`` built inside someone else's process (a test, a
-notebook, the ablation) must not leave every later computation there in deterministic mode.
-The trainer enters this block around each step and around ``fit``; nesting is harmless.
+torch's switches are process-wide; a ``Trainer`` built inside someone else's process (a test,
+a notebook, the ablation) must not leave every later computation there in deterministic mode
+or on another number of threads. The trainer enters these blocks around each step and around
+``fit``; nesting is harmless.
 """
 
 from __future__ import annotations
@@ -37,3 +38,17 @@ def deterministic(enabled: bool) -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         torch.backends.cudnn.benchmark = was[2]
+
+
+@contextlib.contextmanager
+def threads(count: int | None) -> Iterator[None]:
+    """Inside the block: ``torch.set_num_threads(count)``; None: the block changes nothing."""
+    if count is None:
+        yield
+        return
+    was = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from txlm import checkpoint
+from txlm.convert import normalize_text
 from txlm.data import PreparedCorpus
 from txlm.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
@@ -26,27 +28,61 @@ def evaluate_split(
     *,
     full: bool,
     echo: bool,
+    desc: str | None = None,
 ) -> dict[str, Any]:
-    """Stream ``split`` with ``eval``'s lengths (all of it when ``full``, else at most
-    ``eval.max_eval_steps`` segments)."""
+    """Stream ``split`` with ``eval``'s lengths: at most ``eval.max_eval_steps`` segments, or
+    when ``full`` the split's first ``eval.final_max_tokens`` tokens (None: all of them).
+
+    Progress: a bar on a terminal; into a file (stderr redirected), a line at every tenth
+    of the segments of a ``full`` evaluation, so a long one shows in a log that it moves.
+    """
     e = config.eval
+    tokens = corpus.split(split)
+    max_steps = e.max_eval_steps
+    if full:
+        max_steps = None
+        if e.final_max_tokens is not None and len(tokens) - 1 > e.final_max_tokens:
+            tgt_len = e.eval_tgt_len or model.config.tgt_len
+            rows = max(1, min(e.batch_size, len(tokens) - 1))
+            max_steps = max(1, e.final_max_tokens // (rows * tgt_len))
+    show = echo and config.run.progress
+    terminal = sys.stderr.isatty()
     result = evaluate_tokens(
         model,
-        corpus.split(split),
+        tokens,
         batch_size=e.batch_size,
         tgt_len=e.eval_tgt_len,
         mem_len=e.eval_mem_len,
         clamp_len=e.eval_clamp_len,
         same_length=e.same_length,
-        max_steps=None if full else e.max_eval_steps,
+        max_steps=max_steps,
         precision=config.run.precision,
         metric=corpus.metric,
         tokens_per_byte=corpus.tokens_per_byte(split),
-        progress=echo and config.run.progress and sys.stderr.isatty(),
-        desc=split,
+        progress=show and terminal,
+        desc=desc or split,
+        on_segment=_progress_lines(desc or split) if show and full and not terminal else None,
     )
     result["split"] = split
+    result["split_tokens"] = len(tokens)
     return result
+
+
+def _progress_lines(desc: str) -> Callable[[int, int], None]:
+    start = time.perf_counter()
+    tenth = [0]
+
+    def report(done: int, total: int) -> None:
+        now = done * 10 // max(total, 1)
+        if now > tenth[0]:
+            tenth[0] = now
+            print(
+                f"{desc}: {done}/{total} segments, {time.perf_counter() - start:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    return report
 
 
 def final_evaluation(
@@ -66,22 +102,36 @@ def final_evaluation(
     metric = corpus.metric
     summary: dict[str, Any] = {"metric": metric}
     for split in ("valid", "test"):
-        result = evaluate_split(model, corpus, config, split, full=True, echo=echo)
+        result = evaluate_split(
+            model, corpus, config, split, full=True, echo=echo, desc=f"final {split}"
+        )
         summary[split] = result
         if echo:
+            part = (
+                f" (the first of {result['split_tokens']}: eval.final_max_tokens)"
+                if result["tokens"] < result["split_tokens"] - 1
+                else ""
+            )
             print(
                 f"{split}: loss {result['loss']:.4f}, {metric} {result[metric]:.4f} over "
-                f"{result['tokens']} tokens (tgt_len {result['tgt_len']}, mem_len "
+                f"{result['tokens']} tokens{part} (tgt_len {result['tgt_len']}, mem_len "
                 f"{result['mem_len']}), {result['tokens_per_s']:.0f} tokens/s"
             )
     e = config.eval
     if e.sample_tokens > 0:
         t0 = time.perf_counter()
-        # the checkpoint's own lengths, as `txlm generate CKPT` uses them: the same seed
-        # then gives the same text there
+        # the run's evaluation lengths, which `txlm generate CKPT` reads from the checkpoint
+        # (Checkpoint.lengths): the same seed then gives the same text there
+        lengths = model.lengths.replace(
+            tgt_len=e.eval_tgt_len, mem_len=e.eval_mem_len, clamp_len=e.eval_clamp_len,
+            same_length=e.same_length,
+        )  # fmt: skip
+        # a corpus prepared lower-cased (a converted tokenizer's option): the prompt too
+        lower = bool(corpus.meta.get("tokenizer", {}).get("lower_case"))
+        prompt = normalize_text(e.sample_prompt, {"lower_case": lower})
         text = sample_text(
-            model, corpus.vocab, e.sample_prompt, e.sample_tokens, top_k=e.sample_top_k,
-            seed=config.run.seed,
+            model, corpus.vocab, prompt, e.sample_tokens, top_k=e.sample_top_k,
+            seed=config.run.seed, lengths=lengths,
         )  # fmt: skip
         summary["sample"] = text
         summary["sample_seconds"] = time.perf_counter() - t0

@@ -30,7 +30,8 @@ components with their own state: counters, memory, RNG; Adam's moments without p
 ``evaluation`` (validation, the final evaluation and sample), ``metrics`` (JSONL,
 TensorBoard, progress, ETA), ``objective`` (which positions count), ``precision`` (bf16
 compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism`` (``run.deterministic``,
-scoped to the run's work).
+scoped to the run's work), ``init`` (a run that starts from a checkpoint's model and
+vocabulary: fine-tuning).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -45,6 +46,7 @@ import os
 import random
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +56,27 @@ from torch import Tensor
 
 from txlm import atomic, checkpoint, resources
 from txlm import distributed as dist
+from txlm.checkpoint import Checkpoint
+from txlm.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
+from txlm.convert import text_options
+from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
-from txlm.training.build import build_optimizer, open_training_corpus, training_stream
+from txlm.training.build import (
+    build_optimizer,
+    frozen_parameters,
+    open_training_corpus,
+    training_stream,
+    unknown_shares,
+)
 from txlm.training.checkpoint_manager import CheckpointManager
+from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
-from txlm.training.determinism import deterministic
+from txlm.training.determinism import deterministic, threads
 from txlm.training.evaluation import evaluate_split, final_evaluation
+from txlm.training.init import check_same_model, init_record, load_init_weights, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
 from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
@@ -88,6 +102,9 @@ class Trainer:
     """``Trainer(config, out_dir).fit()`` trains, validates, checkpoints and evaluates.
 
     ``resume``: a ``last`` checkpoint directory to continue from (exactly).
+    ``config.init`` (``txlm.training.init``): the run starts from that checkpoint's weights,
+    its corpus encoded with the checkpoint's vocabulary; before the first step the model is
+    evaluated on the valid split (``init_valid``).
     """
 
     def __init__(
@@ -103,15 +120,13 @@ class Trainer:
         r = config.run
         self.signals = StopSignals()
 
-        # Process group, device, threads. Deterministic kernels (run.deterministic) are on
-        # only while the trainer works (training.determinism), not for the whole process.
+        # Process group, device. Deterministic kernels and the thread count (run.deterministic,
+        # run.threads) hold only while the trainer works (training.determinism).
         probe = resolve_device(r.device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
         self.dist = dist.init(probe.type)
         self.device = resolve_device(r.device, local_rank=self.dist.local_rank)
         self.echo = echo and self.dist.is_main
         check_precision(r.precision, self.device)  # fp16's GradScaler: GPUs only
-        if r.threads is not None:
-            torch.set_num_threads(r.threads)
         world = self.dist.world_size
         if config.data.batch_size % (world * config.optim.grad_accum):
             raise ConfigError(
@@ -119,25 +134,50 @@ class Trainer:
                 f"optim.grad_accum ({world} x {config.optim.grad_accum})"
             )
 
-        self.corpus = open_training_corpus(config, self.dist, echo=self.echo)
-        self.vocab = self.corpus.vocab
-        self.metric = self.corpus.metric
+        self.init: dict[str, Any] | None = None  # a run started from a checkpoint: its record
+        given_vocab, init_model = self._start_from(resume, world)
+        # task: classify: labelled documents (classes:DIR) in place of the token corpus
+        self.task = _classify_task(config, given_vocab, self.dist, self.echo)
+        if self.task is None:
+            self.corpus = open_training_corpus(
+                config, self.dist, echo=self.echo, vocab=given_vocab,
+                lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
+            )  # fmt: skip
+            self.vocab = self.corpus.vocab
+            self.unknown = unknown_shares(self.corpus) if self.init is not None else None
+            self.metric = self.corpus.metric
+        else:
+            self.vocab, self.unknown, self.metric = given_vocab, None, self.task.metric
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
-        self.stream = training_stream(
-            self.corpus, config, self.model_config, self.dist, self.device
-        )
+        if self.task is None:
+            self.stream = training_stream(
+                self.corpus, config, self.model_config, self.dist, self.device
+            )
+        else:
+            self.stream = self.task.stream(self.model_config, self.dist, self.device)
         self._batches: Any = iter(())  # started lazily, after a resume has set the position
-        resources.check_training(self.model_config, self.device, config, world)
+        self._check_resources(self.model_config, world)
         self.objective = OBJECTIVES[config.optim.loss]
 
         # Model and optimizer. Every rank builds the same initial weights from the seed.
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
-        self.model = TransformerXL(self.model_config).to(self.device)
+        self.model: Any = (
+            TransformerXL(self.model_config)
+            if self.task is None
+            else self.task.build_model(self.model_config)  # the body and a new head
+        )
+        body = self.model if self.task is None else self.model.body
+        if init_model is not None:
+            load_init_weights(body, init_model)
+            del init_model
+        self.model = self.model.to(self.device)
         if align.wanted(r.align_heads, self.device):
-            align.pad_model(self.model)  # before the optimizer: its state takes these shapes
+            align.pad_model(body)  # before the optimizer: its state takes these shapes
         self.model.train()
+        for p in frozen_parameters(self.model, config.optim.freeze):
+            p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
         self.optimizer = build_optimizer(self.model, config)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
@@ -149,6 +189,9 @@ class Trainer:
         )
         self.time_up = False
         self.compile_seconds = 0.0
+        self._session = _Session()
+        self._schedule_start = 0.0  # the schedule's step when this invocation began
+        self._pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
         # Dropout draws differ per rank (different rows), reproducibly.
         torch.manual_seed(r.seed + 1000003 * self.dist.rank)
 
@@ -165,12 +208,19 @@ class Trainer:
             run_info={
                 "train": config.to_dict(),
                 "vocab_fingerprint": self.vocab.fingerprint,
-                "dataset": {
-                    "name": config.data.dataset,
-                    "prepared": self.corpus.meta.get("name"),
-                    "level": self.corpus.level,
-                    "metric": self.metric,
-                },
+                **(
+                    {
+                        "dataset": {
+                            "name": config.data.dataset,
+                            "prepared": self.corpus.meta.get("name"),
+                            "level": self.corpus.level,
+                            "metric": self.metric,
+                        }
+                    }
+                    if self.task is None
+                    else self.task.run_info(self.model)  # task, labels, the split
+                ),
+                **({} if self.init is None else {"init": self.init}),
             },
             dist_info=self.dist,
             device=self.device,
@@ -178,12 +228,15 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(Path(resume))
 
-        self.compiled = compile_wanted(r.compile, self.device)
+        # a classifier's forward loops over each batch's segments: eager (run.compile auto)
+        self.compiled = compile_wanted(r.compile, self.device) and self.task is None
         rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
-        self.buckets = tail_buckets(
-            self.model, self.corpus.split("train"), self.device, self.compiled,
-            tokens=rows * self.model.config.tgt_len,
-        )  # fmt: skip
+        self.buckets = None
+        if self.task is None:
+            self.buckets = tail_buckets(
+                self.model, self.corpus.split("train"), self.device, self.compiled,
+                tokens=rows * self.model.config.tgt_len,
+            )  # fmt: skip
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
@@ -198,6 +251,41 @@ class Trainer:
             device=self.device,
             compiled=self.compiled,
         )
+
+    def _start_from(
+        self, resume: str | Path | None, world: int
+    ) -> tuple[Vocab | None, TransformerXL | None]:
+        """A run started from a checkpoint (``config.init``): the vocabulary its corpus is
+        encoded with and, for a new run, the checkpoint's model. Its record (path, weights'
+        sha256, text options, init_valid once measured) travels in every checkpoint's
+        config.json, so a resumed run reads it, and the vocabulary, from the one it resumes.
+        """
+        if self.config.init is None:
+            return None, None
+        if resume is not None:
+            resumed = Checkpoint.open(resume)
+            self.init = dict(resumed.data.get("init") or {})
+            return resumed.vocab(), None
+        ckpt = open_init(self.config.init)
+        self.init = {**init_record(ckpt), "text": text_options(ckpt.data)}
+        vocab = ckpt.vocab()
+        check_same_model(ckpt, self.config.model_config(len(vocab)))
+        # Its size checked before its weights are read, and its weights read before the
+        # corpus is prepared: a refused --init leaves nothing behind.
+        self._check_resources(self.config.model_config(len(vocab)), world)
+        return vocab, ckpt.load_model(device="cpu", align_heads=False)
+
+    def _check_resources(self, model_config: ModelConfig, world: int) -> None:
+        """Refuse a run whose step cannot fit, before its model is allocated: the frozen
+        parameters counted on a model on the meta device (no memory)."""
+        frozen = 0
+        if self.config.optim.freeze:
+            with torch.device("meta"):
+                shape: Any = TransformerXL(model_config)
+                if self.config.task == "classify":  # its names: body.*, head.* (any 2 labels)
+                    shape = Classifier(shape, ClassifierConfig(("0", "1")))
+            frozen = sum(p.numel() for p in frozen_parameters(shape, self.config.optim.freeze))
+        resources.check_training(model_config, self.device, self.config, world, frozen=frozen)
 
     # -- the counters, by their established names ----------------------------------------------
     @property
@@ -229,19 +317,24 @@ class Trainer:
             return next(self._batches)
 
     def schedule_step(self) -> float:
-        """The step the schedule is at: the step count, or further on if time runs short."""
+        """The step the schedule is at: the step count, or further on if time runs short.
+
+        Under ``run.time_budget_s`` (seconds of training in this invocation) the schedule
+        covers what is left of it, from where it stood when this invocation began, to
+        ``optim.max_steps`` in the budget: a resumed run picks the schedule up where it was.
+        """
         budget = self.config.run.time_budget_s
         if budget is None:
             return self.counters.step
-        return max(
-            self.counters.step,
-            self.config.optim.max_steps * self.counters.train_seconds / budget,
-        )
+        start = self._schedule_start
+        left = self.config.optim.max_steps - start
+        return max(self.counters.step, start + left * self._session.seconds / budget)
 
     def train_step(self) -> StepStats:
         """One optimisation step, queued on the device: no value is read back to the host
         (``account`` reads the returned numbers later)."""
-        with deterministic(self.config.run.deterministic), denormals_flushed(self.device):
+        r = self.config.run
+        with deterministic(r.deterministic), threads(r.threads), denormals_flushed(self.device):
             return self._train_step()
 
     def _train_step(self) -> StepStats:
@@ -249,21 +342,31 @@ class Trainer:
         batch = self._next_batch()
         if batch.index == 0:
             self.memory.clear()  # an epoch starts every row afresh
-        lr = learning_rate(self.schedule_step(), c.optim)
-        labels = self.objective(batch.labels)
+        self.counters.schedule_step = self.schedule_step()
+        lr = learning_rate(self.counters.schedule_step, c.optim)
+        labels = self.objective(batch.labels) if self.task is None else batch.labels
+        # N: the global batch's counted tokens; a classifier's: its documents
         n_global, scale = token_scale(labels, self.device, self.dist.world_size)
-        loss_sum, parts = forward_backward(
-            self.forward_model, batch, labels, self.memory, scale=scale, scaler=self.scaler,
-            grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
-            buckets=self.buckets,
-        )  # fmt: skip
+        parts = None
+        if self.task is None:
+            loss_sum, parts = forward_backward(
+                self.forward_model, batch, labels, self.memory, scale=scale,
+                scaler=self.scaler, grad_accum=c.optim.grad_accum, precision=c.run.precision,
+                device=self.device, buckets=self.buckets,
+            )  # fmt: skip
+        else:
+            loss_sum = self.task.forward_backward(
+                self.forward_model, batch, scale=scale, scaler=self.scaler,
+                grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
+            )  # fmt: skip
         if self.compute is not None:
             self.compute.gradients_to_master()
         loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / n_global.clamp(min=1.0)
         grad_norm, finite = self.update(lr, torch.isfinite(loss_global))
         if self.compute is not None:
             self.compute.refresh()
-        self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
+        if parts is not None:  # a classifier carries no memory from one batch to the next
+            self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
         return StepStats(self.counters.step, lr, loss_global, grad_norm, n_global, finite)
 
@@ -293,9 +396,10 @@ class Trainer:
         return values
 
     def _stop_votes(self) -> tuple[int, bool]:
-        """(signal received, time budget spent on rank 0), as this process sees them."""
+        """(signal received, this invocation's time budget spent on rank 0), as this
+        process sees them."""
         budget = self.config.run.time_budget_s
-        late = self.dist.is_main and budget is not None and self.train_seconds >= budget
+        late = self.dist.is_main and budget is not None and self._session.seconds >= budget
         return self.signals.received, late
 
     def _stop_flags(self) -> Tensor:
@@ -314,8 +418,16 @@ class Trainer:
             result = self.evaluate_split(self.model, split, full=full)
         return dist.broadcast_object(result)
 
-    def evaluate_split(self, model: TransformerXL, split: str, *, full: bool) -> dict[str, Any]:
+    def evaluate_split(self, model: Any, split: str, *, full: bool) -> dict[str, Any]:
+        if self.task is not None:  # every document of the split, whatever ``full``
+            return self.task.evaluate_split(model, split)
         return evaluate_split(model, self.corpus, self.config, split, full=full, echo=self.echo)
+
+    def _metric_value(self, loss: float) -> float:
+        """The run's metric of a training loss."""
+        if self.task is not None:
+            return self.task.metric_value(loss)
+        return self.corpus.metric_value(loss, "train")
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, kind: str) -> None:
@@ -326,12 +438,12 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to ``optim.max_steps`` (or ``run.stop_at``, the time budget, a signal),
         validating and checkpointing on the way; returns the run's summary."""
-        with deterministic(self.config.run.deterministic):
+        with deterministic(self.config.run.deterministic), threads(self.config.run.threads):
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
         c = self.config
-        r, o, e = c.run, c.optim, c.eval
+        r, o = c.run, c.optim
         if self.dist.is_main:
             # Find an unwritable --out or a full disk now, not at the first save after
             # minutes of training. An atomic save holds the old and new `last` at once: 2x.
@@ -340,116 +452,176 @@ class Trainer:
             )
         log = MetricsLog(self.out, enabled=self.dist.is_main, tensorboard=r.tensorboard)
         log.truncate_after(self.step)
-        if self.echo:
-            n_params = self.model.num_parameters()
-            print(
-                f"txlm train: {c.preset} on {c.data.dataset} ({self.corpus.level} level, "
-                f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
-                f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
-            )
-            print("resolved configuration:\n" + _indent(c.to_yaml()))
-            if self.step:
-                print(f"resumed at step {self.step}")
+        self._announce()
+        self._evaluate_init(log)
         stop_at = min(o.max_steps, r.stop_at) if r.stop_at else o.max_steps
         report = ProgressReport(
             enabled=self.dist.is_main and r.progress,
             total=o.max_steps,
             initial=self.step,
             metric=self.metric,
-            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
+            to_metric=self._metric_value,
             interval=r.progress_interval,
         )
         train_log = TrainLog(
             log, report, metric=self.metric,
-            to_metric=lambda loss: self.corpus.metric_value(loss, "train"),
+            to_metric=self._metric_value,
             log_interval=r.log_interval, stop_at=stop_at,
         )  # fmt: skip
-        budget = r.time_budget_s
         self.signals.install()
-        stopped_by, late = 0, False
-        pending: tuple[StepStats, float] | None = None  # queued, its numbers not read yet
-        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
-        session = [0, 0.0]  # steps and seconds of training in this process
-
-        def settle() -> None:
-            """Read and log the step whose numbers the host has not read yet."""
-            nonlocal pending
-            if pending is not None:
-                stats, seconds = pending
-                pending = None
-                values = self.account(stats)
-                budget_left = None if budget is None else budget - self.train_seconds
-                train_log.step(
-                    stats.step, values, seconds, tokens_seen=self.tokens_seen,
-                    train_seconds=self.train_seconds,
-                    eta_s=eta(stop_at - self.step, *session, budget_left),
-                )  # fmt: skip
-
-        try:
-            while self.step < stop_at:
-                graphs = graphs_compiled() if self.compiled else 0
-                t0 = time.perf_counter()
-                stats = self.train_step()
-                # The previous step's numbers, read now that this step is queued behind it;
-                # on a GPU the wait for them is this step's time in the steady state.
-                settle()
-                dt = time.perf_counter() - t0
-                atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
-                if self.compiled and graphs_compiled() > graphs:
-                    # A step that built a graph: compiling, not training, so it counts
-                    # against neither the time budget nor tokens/s.
-                    self.compile_seconds += dt
-                    dt = 0.0
-                else:
-                    self.counters.train_seconds += dt
-                    session[0] += 1
-                    session[1] += dt
-                pending = (stats, dt)
-                if not self.dist.enabled:
-                    stopped_by, late = self._stop_votes()
-                else:  # this step's votes queued, the previous step's read
-                    previous, stop_flags = stop_flags, self._stop_flags()
-                    if previous is not None:
-                        received, late_any = previous.tolist()
-                        stopped_by, late = int(received), bool(late_any)
-                if late:
-                    settle()
-                    if self.echo:
-                        report.message(
-                            f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
-                        )
-                    self.time_up = True
-                    break
-                validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
-                save_now = r.save_interval and self.step % r.save_interval == 0
-                if stopped_by or validate_now or save_now:
-                    settle()  # checkpoints hold the counters up to this step
-                if validate_now and self.step < o.max_steps and not stopped_by:
-                    self._validate_and_save(log, report)
-                elif save_now:
-                    self.save("last")
-                if stopped_by:
-                    break
-            settle()
-            if stop_flags is not None and not stopped_by:  # votes of the last step
-                stopped_by = int(stop_flags.tolist()[0])
-        finally:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+        try:  # also when a second signal (KeyboardInterrupt) or divergence ends the run
+            stopped_by = self._train(stop_at, log, report, train_log)
+        finally:
             report.close()
             self.signals.restore()
-
         if stopped_by:
-            self.save("last")
-            if self.echo:
-                print(
-                    f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
-                    f"--resume {self.out / 'last'}"
-                )
-            log.close()
-            dist.shutdown()
-            return {"stopped": True, "step": self.step, "exit_code": 128 + stopped_by}
+            return self._pause(stopped_by, log)
+        return self._finish(log, report)
 
+    def _announce(self) -> None:
+        if not self.echo:
+            return
+        c = self.config
+        n_params = self.model.num_parameters()
+        print(
+            f"txlm train: {c.preset} on {c.data.dataset} "
+            f"({self.task.level if self.task else self.corpus.level} level, "
+            f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+            f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
+        )
+        print("resolved configuration:\n" + _indent(c.to_yaml()))
+        if self.init is not None:
+            print(
+                f"started from {self.init['path']} (weights sha256 {self.init['weights_sha256']})"
+            )
+        if self.unknown is not None:
+            shares = ", ".join(f"{k} {v:.2%}" for k, v in self.unknown.items())
+            print(f"unknown symbols ({self.vocab.unk}) in the corpus: {shares}")
+        if self.step:
+            print(f"resumed at step {self.step}")
+
+    def _evaluate_init(self, log: MetricsLog) -> None:
+        """The init model on the valid split, measured as the final ``valid`` is (before the
+        first step: the before of a before and after)."""
+        if self.init is None or "valid" in self.init or self.step:
+            return
+        result = None
+        if self.dist.is_main and self.task is not None:
+            result = self.task.evaluate_split(self.model, "valid")
+        elif self.dist.is_main:
+            result = evaluate_split(
+                self.model, self.corpus, self.config, "valid", full=True,
+                echo=self.echo, desc="init valid",
+            )  # fmt: skip
+        result = dist.broadcast_object(result)
+        self.init["valid"] = result
+        log.write(
+            {
+                "split": "init_valid",
+                "step": 0,
+                "loss": result["loss"],
+                self.metric: result[self.metric],
+                "tokens": result["tokens"],
+            }
+        )
+        if self.echo:
+            print(
+                f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                f"{result[self.metric]:.4f} over {result['tokens']} tokens"
+            )
+
+    def _train(
+        self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog
+    ) -> int:
+        """Steps until ``stop_at``, the time budget or a signal; the signal number (0: none).
+
+        A step's numbers are read once the next step is queued behind it (``_settle``); on a
+        GPU the wait for them is that step's time in the steady state.
+        """
+        e, r = self.config.eval, self.config.run
+        self._session = _Session()
+        self._schedule_start = self.counters.schedule_step
+        stopped_by, late = 0, False
+        stop_flags: Tensor | None = None  # DDP: the last step's stop votes, not read yet
+        while self.step < stop_at:
+            graphs = graphs_compiled() if self.compiled else 0
+            t0 = time.perf_counter()
+            stats = self.train_step()
+            self._settle(train_log, stop_at)
+            dt = time.perf_counter() - t0
+            atomic.step_done(self.step)  # the tests' fault seam (txlm.atomic)
+            if self.compiled and graphs_compiled() > graphs:
+                # A step that built a graph: compiling, not training, so it counts against
+                # neither the time budget nor tokens/s.
+                self.compile_seconds += dt
+                dt = 0.0
+            else:
+                self.counters.train_seconds += dt
+                self._session.steps += 1
+                self._session.seconds += dt
+            self._pending = (stats, dt)
+            if not self.dist.enabled:
+                stopped_by, late = self._stop_votes()
+            else:  # this step's votes queued, the previous step's read
+                previous, stop_flags = stop_flags, self._stop_flags()
+                if previous is not None:
+                    received, late_any = previous.tolist()
+                    stopped_by, late = int(received), bool(late_any)
+            if late:
+                self._settle(train_log, stop_at)
+                if self.echo:
+                    report.message(
+                        f"time budget of {r.time_budget_s:.0f}s spent at step {self.step}"
+                    )
+                self.time_up = True
+                return 0
+            validate_now = e.eval_interval > 0 and self.step % e.eval_interval == 0
+            save_now = r.save_interval and self.step % r.save_interval == 0
+            if stopped_by or validate_now or save_now:
+                self._settle(train_log, stop_at)  # checkpoints hold the counters up to here
+            if stopped_by:
+                return stopped_by
+            if validate_now and self.step < self.config.optim.max_steps:
+                self._validate_and_save(log, report)
+            elif save_now:
+                self.save("last")
+        self._settle(train_log, stop_at)
+        if stop_flags is not None:  # the votes of the last step
+            stopped_by = int(stop_flags.tolist()[0])
+        return stopped_by
+
+    def _settle(self, train_log: TrainLog, stop_at: int) -> None:
+        """Read and log the step whose numbers the host has not read yet."""
+        if self._pending is None:
+            return
+        (stats, seconds), self._pending = self._pending, None
+        values = self.account(stats)
+        budget = self.config.run.time_budget_s
+        budget_left = None if budget is None else budget - self._session.seconds
+        train_log.step(
+            stats.step, values, seconds, tokens_seen=self.tokens_seen,
+            train_seconds=self.train_seconds,
+            eta_s=eta(stop_at - self.step, self._session.steps, self._session.seconds,
+                      budget_left),
+        )  # fmt: skip
+
+    def _pause(self, signal: int, log: MetricsLog) -> dict[str, Any]:
+        """A signal stopped the run: save ``last`` to resume from."""
+        self.save("last")
+        if self.echo:
+            print(
+                f"stopped at step {self.step}: saved {self.out / 'last'}; resume with "
+                f"--resume {self.out / 'last'}"
+            )
+        log.close()
+        dist.shutdown()
+        return {"stopped": True, "step": self.step, "exit_code": 128 + signal}
+
+    def _finish(self, log: MetricsLog, report: ProgressReport) -> dict[str, Any]:
+        """The last validation and checkpoints, the final evaluation, results.json."""
+        c = self.config
         summary: dict[str, Any] = {"step": self.step, "stopped": False}
-        finished = self.step >= o.max_steps or self.time_up
+        finished = self.step >= c.optim.max_steps or self.time_up
         if finished:
             self._validate_and_save(log, report)  # the final validation decides `best` too
         else:
@@ -461,16 +633,26 @@ class Trainer:
             train_tokens_per_s=self.tokens_seen / max(self.train_seconds, 1e-9),
             best_valid_loss=self.best_valid,
         )
+        if self.init is not None:
+            summary["init"] = {k: v for k, v in self.init.items() if k != "valid"}
+            summary["init_valid"] = self.init.get("valid")
+        if self.unknown is not None:
+            summary["unknown_share"] = self.unknown
         if self.compiled and self.echo:
             print(
                 f"compiling took {self.compile_seconds:.1f}s (not counted in the time budget "
                 "or tokens/s)"
             )
         log.plot(self.out / "loss.png", self.metric)
-        if finished and e.final_eval and self.dist.is_main:
-            final = final_evaluation(
-                self.model, self.corpus, c, self.out, self.device, echo=self.echo
-            )
+        if finished and c.eval.final_eval and self.dist.is_main:
+            if self.task is not None:
+                final = self.task.final_evaluation(
+                    self.model, self.out, self.device, echo=self.echo
+                )
+            else:
+                final = final_evaluation(
+                    self.model, self.corpus, c, self.out, self.device, echo=self.echo
+                )
             summary.update(final)
         if self.dist.is_main:
             atomic.write_json(self.out / RESULTS_FILE, summary)
@@ -489,12 +671,14 @@ class Trainer:
                 self.metric: result[self.metric],
                 "tokens": result["tokens"],
                 "tokens_per_s": result["tokens_per_s"],
+                **({} if self.task is None else {"accuracy": result["accuracy"]}),
             }
         )
         if self.echo:
+            accuracy = "" if self.task is None else f", accuracy {result['accuracy']:.4f}"
             report.message(
                 f"step {self.step}: valid loss {result['loss']:.4f}, "
-                f"{self.metric} {result[self.metric]:.4f}"
+                f"{self.metric} {result[self.metric]:.4f}{accuracy}"
             )
         improved = self.best_valid is None or result["loss"] < self.best_valid
         if improved:
@@ -502,6 +686,25 @@ class Trainer:
         self.save("last")
         if improved:
             self.save("best")
+
+
+@dataclass
+class _Session:
+    """The steps and seconds of training in this process (the ETA's pace)."""
+
+    steps: int = 0
+    seconds: float = 0.0
+
+
+def _classify_task(
+    config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool
+) -> ClassifyTask | None:
+    """``task: classify``'s pieces (txlm.training.classify_task), None for a language model."""
+    if config.task != "classify":
+        return None
+    if vocab is None:
+        raise ConfigError("--task classify fine-tunes a language model: pass --init CKPT")
+    return ClassifyTask(config, vocab, dist_info, echo=echo)
 
 
 def _indent(text: str) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from txlm.errors import TxlmError
 from txlm.generate import generate
 from txlm.model import TransformerXL
+from txlm.model.lengths import Lengths
 from txlm.prompts import encode_prompt, start_token
 
 
@@ -18,10 +19,11 @@ def sample_text(
     *,
     top_k: int = 40,
     seed: int = 0,
+    lengths: Lengths | None = None,
 ) -> str:
-    """``prompt`` and ``n_tokens`` sampled after it, from ``txlm.generate`` with the model's
-    own lengths and the prompt read as `txlm generate` reads it: the same seed gives the
-    same text there."""
+    """``prompt`` and ``n_tokens`` sampled after it, from ``txlm.generate`` with ``lengths``
+    (None: the model's) and the prompt read as `txlm generate` reads it: with the lengths it
+    reads with, the same seed gives the same text there."""
     try:
         ids = encode_prompt(vocab, prompt)[0] if prompt else []
     except TxlmError:  # a prompt the vocabulary cannot spell: sample unconditioned
@@ -29,6 +31,7 @@ def sample_text(
     start = start_token(vocab)
     start_id = None if ids else (start if start is not None else 0)
     (new,) = generate(
-        model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id
-    )
+        model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id,
+        lengths=lengths,
+    )  # fmt: skip
     return vocab.decode(ids + list(new))

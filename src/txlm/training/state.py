@@ -45,6 +45,8 @@ class Counters:
     bad_steps: int = 0  # consecutive non-finite steps
     train_seconds: float = 0.0  # time in training steps (validation and compiling excluded)
     tokens_seen: int = 0  # labelled tokens of the global batches so far
+    # Where the schedule was at the last step: the step, or further on under a time budget.
+    schedule_step: float = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -53,6 +55,7 @@ class Counters:
             "bad_steps": self.bad_steps,
             "train_seconds": self.train_seconds,
             "tokens_seen": self.tokens_seen,
+            "schedule_step": self.schedule_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -61,6 +64,7 @@ class Counters:
         self.bad_steps = int(state.get("bad_steps", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.tokens_seen = int(state.get("tokens_seen", 0))
+        self.schedule_step = float(state.get("schedule_step", self.step))
 
 
 # -- memory of the training rows -----------------------------------------------------------
@@ -92,8 +96,8 @@ class Memory:
         into rows. ``keep``: a 0-d bool on the device, false when the step was not finite;
         its states are then replaced by zeros (and masked where a mask is carried), so that
         no NaN feeds the next segment, without the host having to look. In place: the step's
-        backward is done, nothing else reads these tensors, and a copy of the whole memory
-        every step was measured at ~1% of a CPU step."""
+        backward is done, nothing else reads these tensors, and a copy would move the whole
+        memory once more every step."""
         if len(parts) == 1:
             mems, mask = parts[0]
         else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from txlm.analysis import attention_maps as am
-from txlm.checkpoint import load
+from txlm.checkpoint import Checkpoint
 from txlm.commands.analysis import common
 
 
@@ -45,9 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     device = common.setup(args)
-    model = load(args.checkpoint, device=device)
+    ckpt = Checkpoint.open(args.checkpoint)
+    model = ckpt.load_model(device)
     c = model.config
-    tokens = common.read_tokens(args, args.checkpoint, args.tokens)
+    tokens = common.read_tokens(args, ckpt, args.tokens)
     maps = am.attention_maps(
         model,
         tokens,

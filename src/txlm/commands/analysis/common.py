@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from txlm.atomic import write_json
-from txlm.checkpoint import load_vocab, vocab_fingerprint
+from txlm.checkpoint import Checkpoint
 from txlm.commands.options import add_device_options
 from txlm.data import open_corpus
 from txlm.devices import resolve_device
@@ -65,20 +65,20 @@ def setup(args: argparse.Namespace) -> torch.device:
     return resolve_device(args.device)
 
 
-def read_tokens(args: argparse.Namespace, checkpoint: str, max_tokens: int) -> np.ndarray:
+def read_tokens(args: argparse.Namespace, checkpoint: Checkpoint, max_tokens: int) -> np.ndarray:
     """Token ids [T] of the text to analyse (--text, or a prepared split), in the checkpoint's
     vocabulary."""
     if args.text:
         path = Path(args.text)
         if not path.is_file():
             raise DataError(f"text file {path} does not exist")
-        ids = load_vocab(checkpoint).encode_array(path.read_text(encoding="utf-8"))
+        ids = checkpoint.vocab().encode_array(path.read_text(encoding="utf-8"))
     else:
         corpus = open_corpus(
             args.dataset,
             args.data_dir,
-            fingerprint=vocab_fingerprint(checkpoint),
-            owner=checkpoint,
+            fingerprint=checkpoint.vocab_fingerprint,
+            owner=str(checkpoint.path),
             log=log(args),
         )
         ids = corpus.split(args.split)

@@ -9,7 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from txlm.analysis import recl
-from txlm.checkpoint import load
+from txlm.checkpoint import Checkpoint
 from txlm.commands.analysis import common
 
 
@@ -58,11 +58,10 @@ def run(args: argparse.Namespace) -> int:
     device = common.setup(args)
     names = recl.group_names(args.checkpoints, args.names.split(",") if args.names else None)
     recl.check_contexts(args.contexts)
-    recl.check_same_vocabulary(args.checkpoints)  # every model must read the same text
+    checkpoints = [Checkpoint.open(path) for path in args.checkpoints]
+    recl.check_same_vocabulary(checkpoints)  # every model must read the same text
     contexts = args.contexts
-    tokens = common.read_tokens(
-        args, args.checkpoints[0], max(contexts) + args.targets * args.spacing
-    )
+    tokens = common.read_tokens(args, checkpoints[0], max(contexts) + args.targets * args.spacing)
     targets = recl.target_positions(len(tokens), max(contexts), args.targets)
     note = common.log(args)
     # A bar on a terminal; in a log file carriage returns would pile up, so one plain line
@@ -76,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     )
     losses = []
     with bar:
-        for i, path in enumerate(args.checkpoints):
-            model = load(path, device=device)
+        for i, ckpt in enumerate(checkpoints):
+            model = ckpt.load_model(device)
             losses.append(
                 recl.token_losses(
                     model, tokens, contexts, targets, batch_size=args.batch_size,

@@ -1,0 +1,119 @@
+"""Classifier checkpoints and classifying documents of any length.
+
+    clf = txlm.load_classifier("runs/genre/best")  # written by txlm train --task classify
+    txlm.classify(clf, "To be, or not to be")      # Prediction(label=..., probs={...})
+    txlm.classify(clf, [12, 7, 40, ...])           # token ids of the checkpoint's vocabulary
+
+A classifier checkpoint is a txlm checkpoint whose config.json says ``"task": "classify"``
+and holds a ``classifier`` section (the labels in id order, the pooling, the lengths); its
+``model`` section is the body's configuration and model.safetensors holds ``body.*`` (the
+language model's tensors) and ``head.*``. ``txlm.load`` refuses it (it is not a language
+model) and ``load_classifier`` refuses a language model, each in one line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from txlm import checkpoint
+from txlm.classifier import Classifier, ClassifierConfig
+from txlm.data.documents import pad_documents
+from txlm.errors import CheckpointError, ConfigError, DataError
+from txlm.model import TransformerXL
+
+TASK = "classify"
+
+
+def is_classifier(config: dict[str, Any]) -> bool:
+    """Whether a parsed config.json is a classifier's."""
+    return config.get("task") == TASK
+
+
+def checkpoint_extras(model: Classifier) -> dict[str, Any]:
+    """What a classifier's config.json holds besides the body's ``model`` section."""
+    return {"task": TASK, "classifier": model.classifier_config.to_dict()}
+
+
+def load_classifier(path: str | Path, *, device: str | torch.device = "cpu") -> Classifier:
+    """A classifier in eval mode from a checkpoint directory, with its vocabulary (when the
+    checkpoint has one) as ``.vocab``."""
+    ckpt = checkpoint.Checkpoint.open(path)
+    if not is_classifier(ckpt.data):
+        raise CheckpointError(
+            f"{ckpt.path} is a language model, not a classifier: train one with txlm train "
+            f"--init {ckpt.path} --task classify"
+        )
+    try:
+        config = ClassifierConfig.from_dict(ckpt.data.get("classifier"))  # type: ignore[arg-type]
+    except (ConfigError, TypeError) as exc:
+        raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG_FILE}: {exc}") from None
+    weights = ckpt.path / checkpoint.WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"{ckpt.path} has no {checkpoint.WEIGHTS_FILE}")
+    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
+        model = Classifier(TransformerXL(ckpt.model_config), config)
+    checkpoint.fill_weights(model, weights, device)
+    model = model.to(device).eval()
+    model.vocab = ckpt.vocab() if ckpt.has_vocab else None
+    return model
+
+
+@dataclass
+class Prediction:
+    label: str
+    probs: dict[str, float]  # every label's probability, in label order
+
+
+def _ids(model: Classifier, doc: str | Sequence[int], vocab: Any) -> list[int]:
+    if isinstance(doc, str):
+        vocab = vocab if vocab is not None else getattr(model, "vocab", None)
+        if vocab is None:
+            raise DataError("this classifier has no vocabulary: pass token ids or vocab=")
+        ids = vocab.encode(doc)
+    else:
+        ids = [int(i) for i in doc]
+    if not ids:
+        raise DataError("cannot classify an empty document")
+    n = model.config.vocab_size
+    if min(ids) < 0 or max(ids) >= n:
+        raise DataError(f"token ids must be in [0, {n}), got {min(ids)}..{max(ids)}")
+    return ids
+
+
+@torch.no_grad()
+def predict(
+    model: Classifier, docs: Sequence[Sequence[int]], *, batch_size: int = 8
+) -> torch.Tensor:
+    """[N, C] label probabilities of token-id documents, read in batches of similar length
+    (each document alone in its row, memory carried across its segments)."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
+    probs = torch.empty(len(docs), len(model.labels), dtype=torch.float64)
+    for a in range(0, len(order), batch_size):
+        picked = order[a : a + batch_size]
+        ids, start = pad_documents(
+            [np.asarray(docs[i], dtype=np.int64) for i in picked], model.lengths.tgt_len, device
+        )
+        out = model(ids, start)
+        probs[picked] = out.log_probs.double().exp().cpu()
+    return probs
+
+
+def classify(
+    model: Classifier, text_or_ids: str | Sequence[int], *, vocab: Any = None
+) -> Prediction:
+    """The label of one document (text, encoded with the checkpoint's vocabulary or
+    ``vocab``, or token ids) and every label's probability. Any length: the document is read
+    segment by segment with the memory, in constant memory."""
+    if not isinstance(model, Classifier):
+        raise CheckpointError("txlm.classify needs a classifier (txlm.load_classifier)")
+    probs = predict(model, [_ids(model, text_or_ids, vocab)])[0].tolist()
+    labels = model.labels
+    best = max(range(len(labels)), key=lambda i: probs[i])
+    return Prediction(labels[best], dict(zip(labels, probs, strict=True)))

@@ -1,0 +1,58 @@
+"""``txlm classify CKPT FILE...``: each file's label and every label's probability.
+
+Each file is one document, encoded with the checkpoint's vocabulary and read segment by
+segment with the memory (constant memory, whatever its length). ``--json``: one object per
+line, ``{"file", "label", "probs"}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from txlm.commands.options import add_device_options, apply_threads
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "classify",
+        help="label documents with a classifier checkpoint (txlm train --task classify)",
+        description="Print each file's label and the labels' probabilities.",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="classifier checkpoint directory")
+    p.add_argument("files", metavar="FILE", nargs="+", type=Path, help="UTF-8 text documents")
+    p.add_argument(
+        "--batch-size", type=int, default=8, metavar="N",
+        help="documents read together (similar lengths batched; default 8)",
+    )  # fmt: skip
+    add_device_options(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per line per file")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+
+    from txlm.classification import load_classifier, predict
+    from txlm.data.classes import read_document
+    from txlm.devices import resolve_device
+    from txlm.errors import CheckpointError, ConfigError
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    apply_threads(args)
+    model = load_classifier(args.checkpoint, device=resolve_device(args.device))
+    if model.vocab is None:
+        raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode text")
+    docs = [read_document(path, model.vocab) for path in args.files]  # all checked first
+    probs = predict(model, docs, batch_size=args.batch_size).tolist()
+    labels = model.labels
+    for path, p in zip(args.files, probs, strict=True):
+        label = labels[max(range(len(labels)), key=lambda i: p[i])]
+        if args.json:
+            record = {"file": str(path), "label": label, "probs": dict(zip(labels, p, strict=True))}
+            print(json.dumps(record))
+        else:
+            shown = "  ".join(f"{name} {q:.4f}" for name, q in zip(labels, p, strict=True))
+            print(f"{path}\t{label}\t{shown}")
+    return 0

@@ -1,0 +1,58 @@
+"""``txlm eval CKPT`` on a classifier checkpoint: accuracy, per-class precision, recall and
+F1, and the confusion matrix of a split of its ``classes:DIR`` dataset (the split the run
+recorded: the same seed and fractions)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from txlm.errors import ConfigError
+
+# eval's options that mean something only for a language model's token stream
+_LM_ONLY = ("tgt_len", "mem_len", "clamp_len", "same_length", "max_steps")
+
+
+def run(args: argparse.Namespace, saved: dict) -> int:
+    import torch
+
+    from txlm.classification import load_classifier
+    from txlm.classifier_eval import evaluate_documents, report
+    from txlm.data.classes import open_classes
+    from txlm.devices import resolve_device
+    from txlm.errors import CheckpointError
+
+    given = [f"--{n.replace('_', '-')}" for n in _LM_ONLY if getattr(args, n) is not None]
+    given += [f"--{n.replace('_', '-')}" for n in ("kv_cache", "compile") if getattr(args, n)]
+    if given:
+        raise ConfigError(f"{', '.join(given)}: not options of a classifier's evaluation")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    train = saved.get("train") or {}
+    dataset = args.dataset or (train.get("data") or {}).get("dataset")
+    if not dataset:
+        raise CheckpointError(f"{args.checkpoint} does not name its dataset: pass --dataset")
+    model = load_classifier(args.checkpoint, device=resolve_device(args.device))
+    if model.vocab is None:
+        raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode the dataset")
+    split_options = train.get("classify") or {}
+    data = open_classes(
+        dataset, model.vocab, seed=(train.get("run") or {}).get("seed", 0),
+        valid_fraction=split_options.get("valid_fraction", 0.1),
+        test_fraction=split_options.get("test_fraction", 0.1),
+    )  # fmt: skip
+    if data.labels != list(model.labels):
+        raise CheckpointError(
+            f"{dataset} has labels {data.labels}, the classifier {list(model.labels)}"
+        )
+    documents = data.split(args.split)
+    if not len(documents):
+        raise ConfigError(f"{dataset}: the {args.split} split holds no documents")
+    result = evaluate_documents(model, documents, batch_size=args.batch_size or 8)
+    result.update(checkpoint=str(args.checkpoint), split=args.split, dataset=dataset)
+    print(json.dumps(result) if args.json else report(result, args.split))
+    return 0

@@ -1,0 +1,166 @@
+"""A run with ``task: classify``: what it puts in the trainer in place of the language
+model's corpus, stream, model, step and evaluation. Everything else (the optimizer and its
+schedule, clipping, the components a ``last`` checkpoint saves and a resume restores, the
+metrics, TensorBoard, DDP, the stop signals) is the trainer's own.
+
+Legend: B global batch (documents), W ranks, b = B / W, A gradient-accumulation chunks of
+c = b / A documents, N documents of the global batch.
+
+- data: ``data.dataset=classes:DIR`` (``txlm.data.classes``), encoded with the ``--init``
+  checkpoint's vocabulary; the split is recorded in the prepared data folder and in every
+  checkpoint's config.json (``dataset``);
+- batches: ``txlm.data.documents.DocumentBatches`` (length buckets, exact resume), the
+  trainer's ``data`` component;
+- model: ``txlm.classifier.Classifier``, the body built from the model section (the init
+  checkpoint's weights copied in) and a new head;
+- step: each chunk's documents read and classified in one forward (a DDP forward), backward
+  on sum(cross-entropy) * W / N, so the gradient is the mean over the global batch's
+  documents whatever W and A: the trainer's normalisation with documents for tokens;
+- validation: mean cross-entropy (the ``loss`` that decides ``best``) and accuracy of the
+  valid split; the final evaluation adds per-class scores on valid and test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from txlm import distributed as dist
+from txlm.classification import checkpoint_extras, load_classifier
+from txlm.classifier import Classifier, ClassifierConfig
+from txlm.classifier_eval import evaluate_documents
+from txlm.config import ModelConfig
+from txlm.data.classes import ClassDataset, is_classes, open_classes
+from txlm.data.documents import DocumentBatch, DocumentBatches
+from txlm.data.prepared import default_data_dir
+from txlm.errors import ConfigError
+from txlm.evaluate import autocast
+from txlm.model import TransformerXL
+from txlm.training.config import TrainConfig
+
+# The training rows' metric: the cross-entropy in bits per document (log2 C at chance);
+# validation adds the accuracy.
+METRIC = "bits"
+
+
+class ClassifyTask:
+    """The classification pieces of a run, from its configuration and the vocabulary of
+    the checkpoint it starts from."""
+
+    metric = METRIC
+    level = "document"
+
+    def __init__(
+        self, config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, *, echo: bool
+    ) -> None:
+        d, c = config.data, config.classify
+        if not is_classes(d.dataset):
+            raise ConfigError(f"--task classify reads data.dataset=classes:DIR, got {d.dataset!r}")
+        if config.run.compile is True:
+            raise ConfigError(
+                "run.compile=true: a classifier's forward loops over each batch's segments "
+                "(a number that varies) and runs eager; use run.compile=auto or false"
+            )
+        self.config, self.vocab = config, vocab
+        self.dataset: ClassDataset = open_classes(
+            d.dataset, vocab, seed=config.run.seed, valid_fraction=c.valid_fraction,
+            test_fraction=c.test_fraction,
+        )  # fmt: skip
+        if dist_info.is_main:
+            where = self.dataset.record(Path(d.data_dir) if d.data_dir else default_data_dir())
+            if echo:
+                counts = ", ".join(f"{s} {len(self.dataset.split(s))}" for s in self.dataset.splits)
+                print(f"txlm train: {len(self.dataset.labels)} labels, {counts} documents; "
+                      f"split recorded in {where}")  # fmt: skip
+
+    # -- what the trainer builds ----------------------------------------------------------
+    def classifier_config(self) -> ClassifierConfig:
+        c = self.config.classify
+        return ClassifierConfig(
+            labels=tuple(self.dataset.labels), pooling=c.pooling, grad_segments=c.grad_segments
+        )
+
+    def build_model(self, model_config: ModelConfig) -> Classifier:
+        return Classifier(TransformerXL(model_config), self.classifier_config())
+
+    def stream(
+        self, model_config: ModelConfig, dist_info: dist.DistInfo, device: torch.device
+    ) -> DocumentBatches:
+        return DocumentBatches(
+            self.dataset.split("train"), self.config.data.batch_size, model_config.tgt_len,
+            rank=dist_info.rank, world_size=dist_info.world_size, seed=self.config.run.seed,
+            device=device,
+        )  # fmt: skip
+
+    def run_info(self, model: Classifier) -> dict[str, Any]:
+        """What every checkpoint's config.json records of the task and its data."""
+        return {**checkpoint_extras(model), "dataset": {**self.dataset.meta, "metric": METRIC}}
+
+    # -- one step ---------------------------------------------------------------------------
+    def forward_backward(
+        self,
+        model: Any,
+        batch: DocumentBatch,
+        *,
+        scale: Tensor,
+        scaler: torch.amp.GradScaler,
+        grad_accum: int,
+        precision: str,
+        device: torch.device,
+    ) -> Tensor:
+        """Forward and backward of each chunk's documents on sum(cross-entropy) * ``scale``;
+        returns this rank's summed cross-entropy (float64, detached)."""
+        per = batch.labels.size(0) // grad_accum
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for i in range(grad_accum):
+            rows = slice(i * per, (i + 1) * per)
+            sync = (
+                model.no_sync()
+                if i < grad_accum - 1 and hasattr(model, "no_sync")
+                else contextlib.nullcontext()
+            )
+            with sync:
+                with autocast(device, precision):
+                    out = model(batch.input_ids[rows], batch.start[rows], batch.labels[rows])
+                    loss = out.losses.float().sum()
+                scaler.scale(loss * scale).backward()
+            loss_sum += loss.detach().to(device, torch.float64)
+        return loss_sum
+
+    # -- evaluation -------------------------------------------------------------------------
+    @staticmethod
+    def metric_value(loss: float) -> float:
+        return loss / math.log(2)
+
+    def evaluate_split(self, model: Classifier, split: str) -> dict[str, Any]:
+        result = evaluate_documents(
+            model, self.dataset.split(split), batch_size=self.config.eval.batch_size
+        )
+        result.update(split=split, bits=self.metric_value(result["loss"]))
+        return result
+
+    def final_evaluation(
+        self, model: Classifier, out: Path, device: torch.device, *, echo: bool
+    ) -> dict[str, Any]:
+        """Valid and test on ``out/best`` (``model`` when there is none)."""
+        best = out / "best"
+        if best.exists():
+            model = load_classifier(best, device=device)
+        summary: dict[str, Any] = {"metric": "accuracy"}
+        for split in ("valid", "test"):
+            if not len(self.dataset.split(split)):
+                continue
+            result = self.evaluate_split(model, split)
+            summary[split] = result
+            if echo:
+                print(
+                    f"{split}: accuracy {result['accuracy']:.4f}, macro F1 "
+                    f"{result['macro_f1']:.4f}, loss {result['loss']:.4f} over "
+                    f"{result['documents']} documents, {result['docs_per_s']:.1f} documents/s"
+                )
+        return summary
