@@ -378,20 +378,25 @@ class RelativeAttention(nn.Module):
                 extras = {"probs": probs.view(*q.shape[:3], -1)}
             if self.training:
                 probs = dropout(probs, self.dropatt, True)
-            if rows:
-                attn = matmul(probs, val, True)
-            else:  # on [B H, L, K] as _scores lays them out: one bmm, no 4-D matmul's reshapes
-                attn = torch.bmm(probs, val.flatten(0, 1)).view(q.shape)
+            # [B H, L, Dh] from [B H, L, K] as _scores lays them out: one bmm, no 4-D matmul's
+            # reshapes (one traced row: a reduction)
+            attn = matmul(probs, val, True) if rows else torch.bmm(probs, val.flatten(0, 1))
 
-        # functional calls: the same as the modules', without a module call per use
-        attn = attn.transpose(1, 2)  # [B, L, H, Dh]
+        # the heads' outputs as rows [B L, H Dh], for one 2-D product (functional calls: the
+        # modules' operations without a module call each); one query per row is in that
+        # order already
+        batch, qlen = h.shape[:2]
+        if qlen == 1:
+            attn = attn.reshape(batch, -1)
+        else:
+            attn = attn.view(q.shape).transpose(1, 2).reshape(batch * qlen, -1)
         if w is None:
-            out = F.linear(attn.flatten(2), self.out.weight)
+            out = F.linear(attn, self.out.weight)
         elif rows:
-            out = matmul(_as(attn.flatten(2), w.out_t.dtype), w.out_t, True)
-        else:  # a decoder's weights: one 2-D product on the B L rows (no 3-D matmul's reshapes)
-            out = torch.mm(_as(attn.reshape(-1, w.out_t.size(0)), w.out_t.dtype), w.out_t)
-            out = out.view(h.shape)
+            out = matmul(_as(attn, w.out_t.dtype), w.out_t, True)
+        else:  # a decoder's weights
+            out = torch.mm(_as(attn, w.out_t.dtype), w.out_t)
+        out = out.view_as(h)
         if self.training:
             out = dropout(out, self.drop.p, True)
         return h + out if self.pre_lnorm else layer_norm(norm, h + out), extras
@@ -432,13 +437,12 @@ class RelativeAttention(nn.Module):
         elif rows:
             qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, True)
         else:  # one 2-D product on the B L rows (no 3-D matmul's reshapes)
-            rows_in = _as(x.reshape(batch * qlen, -1), w.qkv_t.dtype)
-            qkv = torch.mm(rows_in, w.qkv_t).view(batch, qlen, -1)
+            qkv = torch.mm(_as(x.reshape(batch * qlen, -1), w.qkv_t.dtype), w.qkv_t)
         if cache is not None:  # [B, L, 3I] -> [3, B, H, L, Dh]: one write for k and v
             qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
             k, val = cache.write(self.layer, qkv[1:])
             return _as(qkv[0], k.dtype), k, val  # attention runs in the cache's dtype
-        q, kv = qkv.split_with_sizes([inner, 2 * inner], dim=-1)
+        q, kv = qkv.view(batch, qlen, -1).split_with_sizes([inner, 2 * inner], dim=-1)
         q = self._heads(q)
         parts = [kv]
         if mem is not None and mem.size(1) > 0:
@@ -508,8 +512,8 @@ class PositionwiseFF(nn.Module):
         elif self.training:
             p = self.drop.p
             out = torch.addmm(b2, dropout(torch.addmm(b1, x, w1).relu_(), p, True), w2)
-            out = dropout(out.view(h.shape), p, True).view(rows_in.shape)
+            out = dropout(out.view_as(h), p, True).view_as(rows_in)
         else:
             out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
         out = rows_in + out
-        return (out if self.pre_lnorm else layer_norm(norm, out)).view(h.shape)
+        return (out if self.pre_lnorm else layer_norm(norm, out)).view_as(h)

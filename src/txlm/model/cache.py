@@ -97,7 +97,7 @@ class CacheStep:
             buffer.index_copy_(3, self.slots, kv)
         if self.width < cache.slots:
             buffer = buffer.narrow(3, 0, self.width)
-        return buffer[0], buffer[1]
+        return buffer.unbind(0)
 
 
 class KVCache:

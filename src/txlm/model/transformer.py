@@ -272,7 +272,10 @@ class TransformerXL(nn.Module):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
             hiddens.append(h)
-            h, layer_extras = layer(
+            # over a cache (inference) the layer's forward itself, not a module call: a
+            # decoding step makes one per layer and token, and the call's hook machinery would
+            # be a fair share of the step; hooks (the analysis tools) see cache-free forwards
+            h, layer_extras = (layer if step is None else layer.forward)(
                 h, None if mems is None else mems[n], mask, pos, u, v, cache=step,
                 weights=None if weights is None else weights[n], return_probs=return_probs,
             )  # fmt: skip
