@@ -61,7 +61,7 @@ from txlm.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.convert import text_options
 from txlm.data.vocab import Vocab
-from txlm.devices import check_precision, resolve_device
+from txlm.devices import check_precision, resolve_device, wanted
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
 from txlm.training.build import (
@@ -86,14 +86,13 @@ from txlm.training.state import RNG, Counters, Memory
 from txlm.training.step import (
     StepStats,
     Update,
-    compile_wanted,
     forward_backward,
     graphs_compiled,
     tail_buckets,
     token_scale,
 )
 
-__all__ = ["RESULTS_FILE", "StepStats", "Trainer", "compile_wanted", "graphs_compiled"]
+__all__ = ["RESULTS_FILE", "StepStats", "Trainer", "graphs_compiled"]
 
 RESULTS_FILE = "results.json"
 
@@ -229,7 +228,7 @@ class Trainer:
             self.checkpoints.load(Path(resume))
 
         # a classifier's forward loops over each batch's segments: eager (run.compile auto)
-        self.compiled = compile_wanted(r.compile, self.device) and self.task is None
+        self.compiled = wanted(r.compile, self.device) and self.task is None
         rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
         self.buckets = None
         if self.task is None:
