@@ -90,9 +90,6 @@ class AdaptiveLogSoftmax(nn.Module):
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
-        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``);
-        # the trainer sets it (txlm.training.step.buckets): static when compiled or on CUDA
-        self.buckets: str | int = "counted"
         # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
         self.multiple = 1
         if self.n_clusters:
@@ -176,17 +173,12 @@ class AdaptiveLogSoftmax(nn.Module):
         by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
         positions from its start (empty slots are masked). No ``nonzero``. ``sizes``: the
         buckets' sizes, one per tail cluster, from a caller that counted the labels where
-        they are on the host (the trainer, ``txlm.training.buckets``): static shapes with
+        they are on the host (the trainer, ``txlm.training.step.TailBuckets``): static shapes with
         nothing read back and little more work than the counts; a token past a full bucket
-        gets a NaN loss, as for k below. Else ``self.buckets``:
-
-        - "counted": the sizes are the clusters' token counts, read to the host once (the
-          least work; a graph break under torch.compile);
-        - "all": every bucket holds every token: static shapes, nothing read back, one
-          compiled graph, exact for any labels, at N x (tail rows) logits;
-        - k (an int): every bucket holds k tokens: static, nothing read back; a token past
-          a full bucket gets a NaN loss (a visible failure, which the trainer skips as a
-          non-finite step), never a wrong finite one. For a caller that knows its bound.
+        gets a NaN loss (a visible failure, which the trainer skips as a non-finite step),
+        never a wrong finite one; N each (every bucket holds every token) is exact for any
+        labels, at N x (tail rows) logits. None: the sizes are the clusters' token counts,
+        read to the host once (the least work; a graph break under torch.compile).
         """
         ignore = target == ignore_index
         blocks = self._blocks()
@@ -212,10 +204,8 @@ class AdaptiveLogSoftmax(nn.Module):
             if len(sizes) != self.n_clusters:
                 raise ValueError(f"{len(sizes)} bucket sizes for {self.n_clusters} tail clusters")
             sizes = [min(n, int(k)) for k in sizes]
-        elif self.buckets == "counted":
-            sizes = counts[1:].tolist()
         else:
-            sizes = [n if self.buckets == "all" else min(n, int(self.buckets))] * self.n_clusters
+            sizes = counts[1:].tolist()
         for i, size in enumerate(sizes, start=1):
             lo = self.bounds[i][0]
             slot = torch.arange(size, device=target.device)

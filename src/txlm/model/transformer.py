@@ -159,7 +159,7 @@ class TransformerXL(nn.Module):
         """``lengths``: the attention lengths of this call (txlm.model.lengths; None: the
         model's, ``model.lengths``); the memory is trimmed to its ``mem_len``.
         ``bucket_sizes``: the adaptive softmax's tail buckets for the labels
-        (``AdaptiveLogSoftmax.nll``; None: its ``buckets`` setting)."""
+        (``AdaptiveLogSoftmax.nll``; None: sized by the clusters' token counts)."""
         # Keyword-only past ``mems``: a positional ``model(x, mems, labels)`` would otherwise
         # read the labels as document-start flags without any error.
         hidden, new_mems, next_mask = self.transform(
