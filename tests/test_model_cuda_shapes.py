@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from txlm.config import ModelConfig
-from txlm.model import TransformerXL, align
+from txlm.model import TransformerXL
+from txlm.model.align import Stored
 from txlm.training.precision import ComputeCopy
 
 SYNCS = {"_local_scalar_dense", "nonzero", "item", "is_nonzero", "equal", "_assert_async"}
@@ -58,9 +59,7 @@ def step(padded: bool) -> Recorder:
         d_head=41, d_inner=210, n_layer=2, tgt_len=32, mem_len=32, dropout=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
-    master = TransformerXL(config)
-    if padded:
-        align.pad_model(master, multiple=8)
+    master = TransformerXL(config, Stored.aligned(config) if padded else None)
     model = ComputeCopy(master, torch.bfloat16).model.train()
     ids = torch.randint(0, 2677, (2, 65), generator=torch.Generator().manual_seed(1))
     ids[:, 40:44] = torch.tensor([300, 1000, 2500, 2676])  # every cluster has labels

@@ -64,6 +64,7 @@ from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device, wanted
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 from txlm.training.build import (
     build_optimizer,
     frozen_parameters,
@@ -162,18 +163,18 @@ class Trainer:
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
+        # stored padded where that pays, from the unpadded model: the same initial weights
+        stored = Stored.aligned(self.model_config) if wanted(r.align_heads, self.device) else None
         self.model: Any = (
-            TransformerXL(self.model_config)
+            align.padded(TransformerXL(self.model_config), stored)
             if self.task is None
-            else self.task.build_model(self.model_config)  # the body and a new head
+            else self.task.build_model(self.model_config, stored)  # the body and a new head
         )
         body = self.model if self.task is None else self.model.body
         if init_model is not None:
             load_init_weights(body, init_model)
             del init_model
         self.model = self.model.to(self.device)
-        if align.wanted(r.align_heads, self.device):
-            align.pad_model(body)  # before the optimizer: its state takes these shapes
         self.model.train()
         for p in frozen_parameters(self.model, config.optim.freeze):
             p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
@@ -184,7 +185,7 @@ class Trainer:
             config.data.batch_size // world,
             self.model_config.n_layer,
             self.model_config.d_model,
-            width=self.model.layers[0].attn.qkv.in_features,  # D as stored (align)
+            width=body.stored.d_model,
         )
         self.time_up = False
         self.compile_seconds = 0.0
