@@ -97,21 +97,19 @@ class Stored:
         """Heads, widths (where the encoding allows: not "vaswani") and keys rounded up to
         ``multiple`` (see the module's docstring)."""
         real = cls.of(config)
-        widths = widths and config.attn_type != "vaswani"
-        return dataclasses.replace(
+        stored = dataclasses.replace(
             real,
             d_head=_up(real.d_head, multiple) if heads else real.d_head,
-            **(
-                dict(
-                    d_model=_up(real.d_model, multiple),
-                    d_inner=_up(real.d_inner, multiple),
-                    d_embed=_up(real.d_embed, multiple) if config.div_val == 1 else real.d_embed,
-                    logits=multiple,
-                )
-                if widths
-                else {}
-            ),
             keys=multiple if keys else 1,
+        )
+        if not widths or config.attn_type == "vaswani":
+            return stored
+        return dataclasses.replace(
+            stored,
+            d_model=_up(real.d_model, multiple),
+            d_inner=_up(real.d_inner, multiple),
+            d_embed=_up(real.d_embed, multiple) if config.div_val == 1 else real.d_embed,
+            logits=multiple,
         )
 
 
