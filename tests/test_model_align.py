@@ -345,3 +345,22 @@ def test_a_classifier_on_a_padded_body_classifies_as_on_the_unpadded_one(pooling
     assert axes and axes == {
         f"body.{n}": pads for n, pads in align.padded_axes(padded_body).items()
     }
+
+
+@pytest.mark.parametrize("name", ["div1", "div4"])
+def test_a_model_built_padded_holds_zeros_past_its_real_weights(name) -> None:
+    """``TransformerXL(config, stored)`` draws its weights in the real shapes: they are its
+    checkpoint, and the padding is exactly zero (its unpadded twin, padded, is the very same
+    tensors) with the same log-probabilities in float64."""
+    settings = dict(vocab_size=100, cutoffs=[16, 40], d_model=30, d_inner=50, n_head=3,
+                    d_head=5, dropout=0.0, dropatt=0.0)  # fmt: skip
+    config = ModelConfig.from_preset("debug", **{**settings, **WIDTH_CASES[name]})
+    torch.manual_seed(0)
+    built = TransformerXL(config, Stored.aligned(config)).double()
+    plain = TransformerXL(config).double()
+    plain.load_state_dict(built.state_dict())
+    again = align.padded(plain, built.stored)
+    for (n, a), (_, b) in zip(built.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(built(ids).log_probs, plain(ids).log_probs, atol=1e-12, rtol=0)
