@@ -72,6 +72,7 @@ from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
 from txlm.decode import CachedDecoder
+from txlm.devices import wanted
 from txlm.model import align
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.sampling import SamplingConfig
@@ -156,10 +157,8 @@ def build(
     with contextlib.nullcontext() if exact else torch.device(device):
         model = txlm.TransformerXL(config)
     if padded is None:
-        padded = align.wanted("auto", device)
-    if padded:
-        align.pad_model(model, multiple=8)
-    return model.to(device)
+        padded = wanted("auto", device)
+    return align.padded(model, align.Stored.aligned(config) if padded else None).to(device)
 
 
 def timed(fn: Callable[[], object], device: torch.device, steps: int, seconds: float) -> float:
@@ -193,11 +192,11 @@ def parity(config: ModelConfig, device: torch.device) -> float:
 
 def aligned_parity(config: ModelConfig, device: torch.device) -> dict:
     """Correctness of the aligned model on this device's kernels: the same weights stored
-    unpadded and padded (txlm.model.align.pad_model: heads, widths, keys), float32 with
+    unpadded and padded (txlm.model.align.Stored.aligned: heads, widths, keys), float32 with
     TF32 off, two training segments with memory and labels over every cluster: the largest
     loss and (real-shape) gradient differences. Over 1e-4: an error, like a missed target."""
     plain = build(config, device, padded=False, exact=True).train()
-    padded = align.pad_model(build(config, device, padded=False, exact=True), 8).train()
+    padded = build(config, device, padded=True, exact=True).train()
     for m in (plain, padded):
         for module in m.modules():  # dropout draws differ between the two shapes
             if hasattr(module, "p"):

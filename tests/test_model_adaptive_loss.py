@@ -10,6 +10,8 @@ holding every token. Compiled, the loss and its backward are one graph with no b
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,18 +82,19 @@ def build(overrides) -> TransformerXL:
     return model
 
 
-@pytest.mark.parametrize("buckets", ["counted", "all", 48], ids=["counted", "all", "k"])
+# the tail buckets' sizes: the clusters' counts (None), every token (150 = N), 48 each
+@pytest.mark.parametrize("bucket", [None, 150, 48], ids=["counted", "all", "k"])
 @pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
-def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, buckets) -> None:
+def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, bucket) -> None:
     model = build(overrides)
     sm = model.softmax
-    sm.buckets = buckets
+    sizes = None if bucket is None else [bucket] * sm.n_clusters
     n = 150
     hidden = torch.randn(n, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     labels = zipf_labels(n, 100, 4, sm.cutoffs)
     g = torch.rand(n, dtype=torch.float64)  # per-token upstream weights: not just a mean
     results = []
-    for fn in (reference_nll, AdaptiveLogSoftmax.nll):
+    for fn in (reference_nll, functools.partial(AdaptiveLogSoftmax.nll, sizes=sizes)):
         model.zero_grad()
         h = hidden.clone().requires_grad_()
         nll = fn(sm, h, labels)
@@ -108,14 +111,13 @@ def test_fused_loss_equals_the_reference_losses_and_gradients(overrides, buckets
 
 
 def test_a_full_bucket_gives_nan_never_a_wrong_loss() -> None:
-    """buckets = k below a cluster's count: that cluster's extra tokens get NaN, every
-    other token its exact loss."""
+    """Buckets of k tokens, k below a cluster's count: that cluster's extra tokens get NaN,
+    every other token its exact loss."""
     model = build(CASES["div1"])
     hidden = torch.randn(150, 32, dtype=torch.float64)
     labels = zipf_labels(150, 100, 4, model.softmax.cutoffs)
     want = reference_nll(model.softmax, hidden, labels)
-    model.softmax.buckets = 4
-    got = model.softmax.nll(hidden, labels)
+    got = model.softmax.nll(hidden, labels, sizes=[4, 4, 4])
     cluster = torch.bucketize(labels.clamp(min=0), torch.tensor([10, 30, 60]), right=True)
     over = torch.zeros(150, dtype=torch.bool)
     for i in (1, 2, 3):
@@ -153,12 +155,11 @@ def test_compiled_adaptive_training_step_is_one_graph_without_breaks() -> None:
                                      d_embed=32, n_layer=1)  # fmt: skip
     torch.manual_seed(0)
     model = TransformerXL(config)
-    model.softmax.buckets = "all"
     ids = torch.randint(0, 100, (2, 16))
     labels = zipf_labels(32, 100, 6, config.cutoffs).view(2, 16)
 
-    def loss(i, y):
-        return model(i, labels=y).loss
+    def loss(i, y):  # buckets of every token (32): static shapes
+        return model(i, labels=y, bucket_sizes=[32, 32, 32]).loss
 
     torch._dynamo.reset()
     explain = torch._dynamo.explain(loss)(ids, labels)

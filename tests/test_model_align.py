@@ -1,9 +1,10 @@
 """Padded (tensor-core aligned) heads compute what the unpadded model computes.
 
-``pad_heads`` stores each head with its dim rounded up to a multiple of 8, the extra dims
-zero. Checked in float32 on a model with d_head 5 (padded to 8): the same log-probs (1e-6),
-the same gradients for the real weights and exactly zero for the padding, zero padding
-after Adam steps, unpadded checkpoints, and the cached decoder on the padded model.
+``Stored.aligned(config, heads=True, ...)`` stores each head with its dim rounded up to a
+multiple of 8, the extra dims zero (``align.padded``: a model's weights so stored). Checked
+in float32 on a model with d_head 5 (padded to 8): the same log-probs (1e-6), the same
+gradients for the real weights and exactly zero for the padding, zero padding after Adam
+steps, unpadded checkpoints, and the cached decoder on the padded model.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import torch
 
 from txlm.config import ModelConfig
 from txlm.decode import CachedDecoder
-from txlm.model import TransformerXL
-from txlm.model.align import pad_heads
+from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 
 CASES = {
     "xl": {},
@@ -36,9 +37,14 @@ def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
         for p in plain.parameters():
             if p.abs().sum() == 0:
                 p.normal_(0, 0.3)
-    padded = pad_heads(copy.deepcopy(plain), multiple=8)
+    padded = align.padded(plain, heads_only(config))
     assert padded.layers[0].attn.qkv.weight.shape == (3 * 3 * 8, config.d_model)
+    assert padded.stored.d_head == 8 and plain.stored.d_head == 5
     return plain, padded
+
+
+def heads_only(config: ModelConfig) -> Stored:
+    return Stored.aligned(config, 8, widths=False, keys=False)
 
 
 def run(model: TransformerXL, ids: torch.Tensor):
@@ -102,7 +108,7 @@ def test_checkpoints_keep_the_real_shapes_and_load_either_way() -> None:
     }
     for k, v in plain.state_dict().items():
         assert torch.equal(state[k], v), k
-    other = pad_heads(copy.deepcopy(plain))
+    other = TransformerXL(plain.config, heads_only(plain.config))
     with torch.no_grad():
         for p in other.parameters():
             p.zero_()
@@ -177,12 +183,11 @@ def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_pat
     from safetensors.torch import load_file
 
     from txlm import checkpoint
-    from txlm.model.align import padded_axes
 
     plain = _train(tmp_path, "plain", "run.align_heads=false")
     padded = _train(tmp_path, "padded", "run.align_heads=true")
-    assert padded.model.layers[0].attn.d_head == 8 and plain.model.layers[0].attn.d_head == 6
-    assert padded_axes(padded.model) and not padded_axes(plain.model)
+    assert padded.model.stored.d_head == 8 and plain.model.stored.d_head == 6
+    assert align.padded_axes(padded.model) and not align.padded_axes(plain.model)
     want = plain.model.state_dict()
     for name, value in padded.model.state_dict().items():  # real shapes (hooks strip)
         torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
@@ -198,7 +203,7 @@ def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_pat
     _train(tmp_path, "paused", "run.align_heads=true", "run.stop_at=2")
     resumed = _train(tmp_path, "resumed", "run.align_heads=false",
                      resume=tmp_path / "paused" / "last")  # fmt: skip
-    assert resumed.model.layers[0].attn.d_head == 6
+    assert resumed.model.stored.d_head == 6
     for name, value in resumed.model.state_dict().items():
         torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
     # and the other way: unpadded to padded, exact moments padded with zeros
@@ -211,8 +216,8 @@ def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_pat
     assert not state["exp_avg"].view(3, 2, 8, 32)[:, :, 6:].any()  # padding stays zero
 
     loaded = checkpoint.load(tmp_path / "plain" / "last", align_heads=True)
-    assert loaded.layers[0].attn.d_head == 8
-    assert checkpoint.load(tmp_path / "plain" / "last").layers[0].attn.d_head == 6  # auto: CPU
+    assert loaded.stored.d_head == 8 and loaded.layers[0].attn.d_head == 8
+    assert checkpoint.load(tmp_path / "plain" / "last").stored.d_head == 6  # auto: CPU
 
 
 def test_bf16_training_with_padded_heads_follows_the_unpadded_run(tmp_path):
@@ -242,8 +247,6 @@ WIDTH_CASES = {
 def width_pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
     """float64: d_model 30 -> 32, d_inner 50 -> 56, heads 5 -> 8, the head's 16 + 2 logits
     -> 24, the last cluster's 60 rows -> 64 (the middle one has 24 already)."""
-    from txlm.model.align import pad_model
-
     settings = dict(vocab_size=100, cutoffs=[16, 40], d_model=30, d_inner=50, n_head=3,
                     d_head=5, dropout=0.0, dropatt=0.0)  # fmt: skip
     config = ModelConfig.from_preset("debug", **{**settings, **overrides})
@@ -253,8 +256,10 @@ def width_pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
         for p in plain.parameters():
             if p.abs().sum() == 0:
                 p.normal_(0, 0.3)
-    padded = pad_model(copy.deepcopy(plain), multiple=8)
+    padded = align.padded(plain, Stored.aligned(config, 8))
     assert padded.layers[0].ff.fc1.weight.shape == (56, 32)
+    assert padded.stored == Stored(32, 56, 8, 32 if config.div_val == 1 else config.d_embed,
+                                   logits=8, keys=8)  # fmt: skip
     return plain, padded
 
 
@@ -317,3 +322,45 @@ def test_trainer_with_padded_widths_resumes_across_paddings(tmp_path):
     for trainer in (resumed, again):
         for name, value in trainer.model.state_dict().items():
             torch.testing.assert_close(value, want[name], rtol=0, atol=2e-5, msg=name)
+
+
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_a_classifier_on_a_padded_body_classifies_as_on_the_unpadded_one(pooling) -> None:
+    """The body's hidden states stored with 32 dims (d_model 30): the classifier pools the
+    real ones, so the same log-probabilities; its optimizer state finds the body's padding."""
+    from txlm.classifier import Classifier, ClassifierConfig
+
+    plain_body, padded_body = width_pair()
+    config = ClassifierConfig(("a", "b", "c"), pooling=pooling)
+    plain = Classifier(plain_body, config).double()
+    padded = Classifier(padded_body, config).double()
+    padded.head.load_state_dict(plain.head.state_dict())
+    ids = torch.randint(0, 100, (2, 32), generator=torch.Generator().manual_seed(2))
+    start = torch.tensor([0, 7])  # the second row's document starts inside its first segment
+    # the same arithmetic on zero-padded operands: float64 rounding apart
+    torch.testing.assert_close(
+        padded(ids, start).log_probs, plain(ids, start).log_probs, atol=1e-12, rtol=0
+    )
+    axes = align.padded_axes(padded)
+    assert axes and axes == {
+        f"body.{n}": pads for n, pads in align.padded_axes(padded_body).items()
+    }
+
+
+@pytest.mark.parametrize("name", ["div1", "div4"])
+def test_a_model_built_padded_holds_zeros_past_its_real_weights(name) -> None:
+    """``TransformerXL(config, stored)`` draws its weights in the real shapes: they are its
+    checkpoint, and the padding is exactly zero (its unpadded twin, padded, is the very same
+    tensors) with the same log-probabilities in float64."""
+    settings = dict(vocab_size=100, cutoffs=[16, 40], d_model=30, d_inner=50, n_head=3,
+                    d_head=5, dropout=0.0, dropatt=0.0)  # fmt: skip
+    config = ModelConfig.from_preset("debug", **{**settings, **WIDTH_CASES[name]})
+    torch.manual_seed(0)
+    built = TransformerXL(config, Stored.aligned(config)).double()
+    plain = TransformerXL(config).double()
+    plain.load_state_dict(built.state_dict())
+    again = align.padded(plain, built.stored)
+    for (n, a), (_, b) in zip(built.named_parameters(), again.named_parameters(), strict=True):
+        assert torch.equal(a, b), n
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(built(ids).log_probs, plain(ids).log_probs, atol=1e-12, rtol=0)

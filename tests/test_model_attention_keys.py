@@ -1,5 +1,5 @@
 """Aligned keys: the attention over [memory; segment] with masked slots in front of it (the
-key axis a multiple of 8, txlm.model.align.pad_keys) computes what the plain path computes.
+key axis a multiple of 8, ``Stored.keys``, txlm.model.align) computes what the plain path computes.
 
 float64, odd lengths (7 queries over 13 memory positions: 20 keys -> 24), two segments with
 memory and a document reset per row, for each relative encoding and same_length: the same
@@ -10,14 +10,12 @@ product, its relative shift and the padded mask).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.model import TransformerXL
-from txlm.model.align import pad_keys
+from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 
 CASES = {
     "xl": {},
@@ -38,7 +36,7 @@ def pair(**overrides) -> tuple[TransformerXL, TransformerXL]:
         for p in plain.parameters():
             if p.abs().sum() == 0:
                 p.normal_(0, 0.3)
-    return plain, pad_keys(copy.deepcopy(plain), multiple=8)
+    return plain, align.padded(plain, Stored.aligned(config, 8, heads=False, widths=False))
 
 
 def segments(model: TransformerXL, ids: torch.Tensor, impl: str):

@@ -1,6 +1,6 @@
 """What a training step asks of a GPU, checked on the CPU: a narrow wt103-shaped model built
 as the trainer builds it for CUDA (every width padded to a multiple of 8, bf16 compute
-copy with bf16 activations, under autocast), with the softmax's static buckets.
+copy with bf16 activations, under autocast), with static tail buckets.
 
 A dispatch mode records every operation of one training forward and backward (a second
 segment, with memory): no operation that reads a device value back to the host
@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from txlm.config import ModelConfig
-from txlm.model import TransformerXL, align
+from txlm.model import TransformerXL
+from txlm.model.align import Stored
 from txlm.training.precision import ComputeCopy
 
 SYNCS = {"_local_scalar_dense", "nonzero", "item", "is_nonzero", "equal", "_assert_async"}
@@ -58,19 +59,17 @@ def step(padded: bool) -> Recorder:
         d_head=41, d_inner=210, n_layer=2, tgt_len=32, mem_len=32, dropout=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
-    master = TransformerXL(config)
-    if padded:
-        align.pad_model(master, multiple=8)
-    master.softmax.buckets = "all"
+    master = TransformerXL(config, Stored.aligned(config) if padded else None)
     model = ComputeCopy(master, torch.bfloat16).model.train()
     ids = torch.randint(0, 2677, (2, 65), generator=torch.Generator().manual_seed(1))
     ids[:, 40:44] = torch.tensor([300, 1000, 2500, 2676])  # every cluster has labels
+    every = [64, 64, 64]  # static tail buckets: each holds all 2 x 32 tokens of a call
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mems = model(ids[:, :32], labels=ids[:, 1:33]).mems
+        mems = model(ids[:, :32], labels=ids[:, 1:33], bucket_sizes=every).mems
     recorder = Recorder()
     with recorder:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(ids[:, 32:64], mems=mems, labels=ids[:, 33:65])
+            out = model(ids[:, 32:64], mems=mems, labels=ids[:, 33:65], bucket_sizes=every)
             loss = out.losses.float().sum()
         loss.backward()
     assert out.mems[0].dtype == torch.bfloat16  # the memory (and residual stream) in bf16

@@ -26,8 +26,8 @@ from torch.utils._pytree import tree_leaves
 from conftest import subprocess_env
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
-from txlm.model import TransformerXL
-from txlm.model.align import pad_model
+from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 from txlm.model.attention import RelativeAttention
 from txlm.model.mask import attention_mask
 from txlm.model.positional import relative_distances, sinusoid
@@ -171,8 +171,10 @@ def test_model_equals_math_path_with_memory_and_resets(padded, monkeypatch) -> N
     )
     math_model, tri_model = model_pair()
     if padded:
-        pad_model(math_model)
-        pad_model(tri_model)
+        stored = Stored.aligned(math_model.config)
+        math_model, tri_model = (align.padded(m, stored) for m in (math_model, tri_model))
+        for layer in tri_model.layers:  # built from the configuration: the math path's
+            layer.attn.attn_impl = "triton"
         assert tri_model.layers[0].attn.key_multiple == 8
     ids = torch.randint(0, 64, (2, 41), generator=torch.Generator().manual_seed(1))
     loss_math = two_segments(math_model.train(), ids)

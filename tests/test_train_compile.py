@@ -11,15 +11,13 @@ import pytest
 import torch
 
 from _train_helpers import tiny_config
-from txlm.training.loop import compile_wanted
+from txlm.devices import wanted
 
 
 def test_auto_compiles_on_cuda_only():
-    assert compile_wanted("auto", torch.device("cuda", 0))
-    assert not compile_wanted("auto", torch.device("cpu"))
-    assert compile_wanted(True, torch.device("cpu")) and not compile_wanted(
-        False, torch.device("cuda")
-    )
+    assert wanted("auto", torch.device("cuda", 0))
+    assert not wanted("auto", torch.device("cpu"))
+    assert wanted(True, torch.device("cpu")) and not wanted(False, torch.device("cuda"))
 
 
 class FakeClock:

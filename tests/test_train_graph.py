@@ -73,7 +73,7 @@ def test_a_cuda_built_trainer_step_reads_nothing_back(tmp_path, monkeypatch):
     )  # fmt: skip
     trainer = Trainer(config, tmp_path / "run", echo=False)
     assert len(trainer.vocab) > 600
-    assert trainer.model.layers[0].attn.qkv.in_features == 88  # padded widths
+    assert trainer.model.stored.d_model == 88 == trainer.model.layers[0].attn.qkv.weight.size(1)
     assert trainer.buckets is not None  # sized from the labels on the host
     trainer.forward_model = trainer.forward_model._orig_mod  # eager: every op dispatched
     trainer.update._clip_and_check = trainer.update.clip_and_check

@@ -74,6 +74,7 @@ def test_bf16_step_casts_no_weight_and_matches_autocast(trainer):
     n = int((b.labels != -100).sum())
     assert loss == pytest.approx(ref.double().item() / n, rel=5e-3)
     assert trainer.compute.model.activation_dtype == torch.bfloat16
+    assert trainer.model.activation_dtype is None  # the master's record is its own
 
     # the old way: autocast over fp32 weights
     with WeightCasts(initial) as plain, torch.autocast("cpu", dtype=torch.bfloat16):

@@ -162,14 +162,14 @@ def test_a_step_reads_nothing_back_from_the_device(corpus, tmp_path, monkeypatch
 def test_an_adaptive_softmax_step_reads_no_scalar(corpus, tmp_path, monkeypatch):
     """With tail clusters the trainer still reads no scalar; what remains is the adaptive
     softmax's own read of its clusters' token counts (the model's, not the trainer's), and
-    with static buckets (``softmax.buckets = "all"``) not even that."""
+    with buckets sized on the host (here: every token each) not even that."""
     trainer = _trainer(corpus, tmp_path, "model.cutoffs=[20]", "model.div_val=2")
     trainer.train_step()
     reads = HostReads(monkeypatch)
     with reads:
         trainer.train_step()
     assert dict(reads.calls) == {"tolist": 1}
-    trainer.model.softmax.buckets = "all"
+    trainer.buckets = lambda host_labels: (host_labels.size,)  # the trainer's host-side seam
     static = HostReads(monkeypatch)
     with static:
         trainer.train_step()

@@ -36,11 +36,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
-from txlm import atomic
+from txlm import atomic, devices
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
-from txlm.model import TransformerXL, align
+from txlm.model import TransformerXL
+from txlm.model.align import Stored
 from txlm.model.lengths import Lengths
 
 M = TypeVar("M", bound=torch.nn.Module)
@@ -309,17 +310,17 @@ class Checkpoint:
         self, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
     ) -> TransformerXL:
         """A new model in eval mode with the checkpoint's weights. ``align_heads``: store the
-        heads padded to a multiple of 8 dims (``txlm.model.align``; auto: on CUDA, where it
-        pays)."""
+        heads, widths and keys padded to multiples of 8 (``txlm.model.align``; auto: on CUDA,
+        where it pays)."""
         if self.data.get("task", "lm") != "lm":  # a classifier: body.* and head.* weights
             raise CheckpointError(
                 f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
                 "use txlm classify or txlm.load_classifier"
             )
+        aligned = devices.wanted(align_heads, device)
+        stored = Stored.aligned(self.model_config) if aligned else None
         with self._reading():
-            model = _load_weights(self.path, self.model_config, device)
-        if align.wanted(align_heads, device):
-            align.pad_model(model)
+            model = _load_weights(self.path, self.model_config, device, stored)
         return model.eval()
 
     def weights_sha256(self) -> str:
@@ -406,9 +407,10 @@ def _rough_parameter_count(c: ModelConfig) -> int:
 
 
 def _load_weights(
-    directory: Path, config: ModelConfig, device: str | torch.device
+    directory: Path, config: ModelConfig, device: str | torch.device, stored: Stored | None = None
 ) -> TransformerXL:
-    """``config``'s model with the weights of ``directory``, checked against the header first."""
+    """``config``'s model, stored with ``stored`` (txlm.model.align), with the weights of
+    ``directory``, checked against the header first."""
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
@@ -419,12 +421,12 @@ def _load_weights(
         # cost every `txlm eval/generate` would pay. fork_rng: loading must not advance the
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
-            model = TransformerXL(config)
+            model = TransformerXL(config, stored)
         _check_shapes(weights, shapes, model)
         model = model.to(device)
     else:
         with torch.device("meta"):
-            model = TransformerXL(config)
+            model = TransformerXL(config, stored)
         _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
         model.tie_weights()

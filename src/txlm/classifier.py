@@ -119,14 +119,6 @@ class Classifier(nn.Module):
     def labels(self) -> tuple[str, ...]:
         return self.classifier_config.labels
 
-    @property
-    def activation_dtype(self) -> torch.dtype | None:
-        return self.body.activation_dtype
-
-    @activation_dtype.setter
-    def activation_dtype(self, dtype: torch.dtype | None) -> None:
-        self.body.activation_dtype = dtype
-
     def num_parameters(self) -> int:
         return self.body.num_parameters() + sum(p.numel() for p in self.head.parameters())
 
@@ -159,6 +151,7 @@ class Classifier(nn.Module):
             reset = (positions[seg] == begin) if s in starts_in else None
             with torch.set_grad_enabled(grad and s >= grad_from):
                 h, mems, mem_mask = self.body.transform(input_ids[:, seg], mems, reset, mem_mask)
+                h = h[..., : total.size(-1)]  # the real D (a body stored wider: zeros past it)
                 if mean:
                     real = (positions[seg] >= begin).unsqueeze(-1)  # [b, L, 1]
                     total = total + (h.float() * real).sum(1)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from txlm.model.align import Stored, stored_rows
+
 
 def upcast(x: Tensor) -> Tensor:
     """Half-precision logits or scores are normalised and compared in float32; float32 and
@@ -36,25 +38,43 @@ def _cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[tuple[int, int]
     return list(itertools.pairwise(ends))
 
 
+def _stored(stored: Stored | None, d_embed: int, d_proj: int) -> tuple[int, int, int]:
+    """The stored projection dim, (div_val 1) embedding dim and row multiple
+    (txlm.model.align.Stored; None: the real ones)."""
+    if stored is None:
+        return d_proj, d_embed, 1
+    return stored.d_model, stored.d_embed, stored.logits
+
+
 class AdaptiveEmbedding(nn.Module):
     def __init__(
-        self, vocab_size: int, d_embed: int, d_proj: int, cutoffs: list[int], div_val: int
+        self,
+        vocab_size: int,
+        d_embed: int,
+        d_proj: int,
+        cutoffs: list[int],
+        div_val: int,
+        stored: Stored | None = None,
     ) -> None:
+        """``stored``: the padded widths to store the weights with (txlm.model.align); the
+        rows are stored as the softmax stores them (a tied weight is one tensor)."""
         super().__init__()
         self.vocab_size, self.d_proj, self.div_val = vocab_size, d_proj, div_val
         self.bounds = _cluster_bounds(vocab_size, cutoffs)
         self.scale = d_proj**0.5  # embeddings are scaled by sqrt(d_model), as in Vaswani et al.
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
+        dp, ep, multiple = _stored(stored, d_embed, d_proj)
+        rows = stored_rows(self.bounds, div_val, multiple)
         if div_val == 1:
-            self.layers.append(nn.Embedding(vocab_size, d_embed))
+            self.layers.append(nn.Embedding(rows[0], ep))
             if d_proj != d_embed:
-                self.projs.append(nn.Parameter(torch.zeros(d_proj, d_embed)))
+                self.projs.append(nn.Parameter(torch.zeros(dp, ep)))
         else:
-            for i, (lo, hi) in enumerate(self.bounds):
+            for i in range(len(self.bounds)):
                 d_i = d_embed // div_val**i
-                self.layers.append(nn.Embedding(hi - lo, d_i))
-                self.projs.append(nn.Parameter(torch.zeros(d_proj, d_i)))
+                self.layers.append(nn.Embedding(rows[i], d_i))
+                self.projs.append(nn.Parameter(torch.zeros(dp, d_i)))
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids [B, L] -> [B, L, P]."""
@@ -82,34 +102,39 @@ class AdaptiveLogSoftmax(nn.Module):
     """log p(token | hidden) over the whole vocabulary, or per-token NLL in input order."""
 
     def __init__(
-        self, vocab_size: int, d_embed: int, d_proj: int, cutoffs: list[int], div_val: int
+        self,
+        vocab_size: int,
+        d_embed: int,
+        d_proj: int,
+        cutoffs: list[int],
+        div_val: int,
+        stored: Stored | None = None,
     ) -> None:
+        """``stored``: the padded widths to store the weights with (txlm.model.align)."""
         super().__init__()
         self.vocab_size, self.div_val = vocab_size, div_val
         self.bounds = _cluster_bounds(vocab_size, cutoffs)
         self.cutoffs = list(cutoffs)
         self.n_clusters = len(cutoffs)
         self.shortlist = self.bounds[0][1]
-        # the training loss's tail buckets: "counted", "all" or a number of tokens (``nll``);
-        # the trainer sets it (txlm.training.step.buckets): static when compiled or on CUDA
-        self.buckets: str | int = "counted"
-        # blocks' logits stored as a multiple of this (txlm.model.align.pad_widths)
-        self.multiple = 1
+        dp, ep, multiple = _stored(stored, d_embed, d_proj)
+        self.multiple = multiple  # every block's logits stored as a multiple of this
+        rows = stored_rows(self.bounds, div_val, multiple)
         if self.n_clusters:
-            self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, d_embed))
+            self.cluster_weight = nn.Parameter(torch.zeros(self.n_clusters, ep))
             self.cluster_bias = nn.Parameter(torch.zeros(self.n_clusters))
         self.layers = nn.ModuleList()
         self.projs = nn.ParameterList()
         if div_val == 1:
-            self.layers.append(nn.Linear(d_embed, vocab_size))
+            self.layers.append(nn.Linear(ep, rows[0]))
             if d_proj != d_embed:
                 for _ in self.bounds:
-                    self.projs.append(nn.Parameter(torch.zeros(d_proj, d_embed)))
+                    self.projs.append(nn.Parameter(torch.zeros(dp, ep)))
         else:
-            for i, (lo, hi) in enumerate(self.bounds):
+            for i in range(len(self.bounds)):
                 d_i = d_embed // div_val**i
-                self.layers.append(nn.Linear(d_i, hi - lo))
-                self.projs.append(nn.Parameter(torch.zeros(d_proj, d_i)))
+                self.layers.append(nn.Linear(d_i, rows[i]))
+                self.projs.append(nn.Parameter(torch.zeros(dp, d_i)))
 
     # -- per-cluster logits -------------------------------------------------------------
     def _weights(self, i: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -176,17 +201,12 @@ class AdaptiveLogSoftmax(nn.Module):
         by cluster puts each cluster's tokens together, and cluster i reads the ``size_i``
         positions from its start (empty slots are masked). No ``nonzero``. ``sizes``: the
         buckets' sizes, one per tail cluster, from a caller that counted the labels where
-        they are on the host (the trainer, ``txlm.training.buckets``): static shapes with
+        they are on the host (the trainer, ``txlm.training.step.TailBuckets``): static shapes with
         nothing read back and little more work than the counts; a token past a full bucket
-        gets a NaN loss, as for k below. Else ``self.buckets``:
-
-        - "counted": the sizes are the clusters' token counts, read to the host once (the
-          least work; a graph break under torch.compile);
-        - "all": every bucket holds every token: static shapes, nothing read back, one
-          compiled graph, exact for any labels, at N x (tail rows) logits;
-        - k (an int): every bucket holds k tokens: static, nothing read back; a token past
-          a full bucket gets a NaN loss (a visible failure, which the trainer skips as a
-          non-finite step), never a wrong finite one. For a caller that knows its bound.
+        gets a NaN loss (a visible failure, which the trainer skips as a non-finite step),
+        never a wrong finite one; N each (every bucket holds every token) is exact for any
+        labels, at N x (tail rows) logits. None: the sizes are the clusters' token counts,
+        read to the host once (the least work; a graph break under torch.compile).
         """
         ignore = target == ignore_index
         blocks = self._blocks()
@@ -212,10 +232,8 @@ class AdaptiveLogSoftmax(nn.Module):
             if len(sizes) != self.n_clusters:
                 raise ValueError(f"{len(sizes)} bucket sizes for {self.n_clusters} tail clusters")
             sizes = [min(n, int(k)) for k in sizes]
-        elif self.buckets == "counted":
-            sizes = counts[1:].tolist()
         else:
-            sizes = [n if self.buckets == "all" else min(n, int(self.buckets))] * self.n_clusters
+            sizes = counts[1:].tolist()
         for i, size in enumerate(sizes, start=1):
             lo = self.bounds[i][0]
             slot = torch.arange(size, device=target.device)

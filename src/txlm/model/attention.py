@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
+from txlm.model.align import Stored
 from txlm.model.cache import CacheStep
 from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
@@ -66,7 +67,7 @@ def layer_norm(norm: nn.LayerNorm | tuple[Tensor, Tensor, float], x: Tensor) -> 
     """``norm(x)`` without the module call: the same operation, and one fewer Python layer
     on a path that makes a few per layer and token. ``norm``: the module, or its (weight,
     bias, eps) as a decoder holds them (txlm.model.layout). A residual stream stored wider
-    than the model dim (txlm.model.align.pad_widths) is normalised over its real dims, zeros
+    than the model dim (txlm.model.align.Stored) is normalised over its real dims, zeros
     after."""
     if isinstance(norm, tuple):  # a decoder's, in a step that runs with autocast off
         return _norm(x, *norm)
@@ -81,7 +82,7 @@ def layer_norm(norm: nn.LayerNorm | tuple[Tensor, Tensor, float], x: Tensor) -> 
 
 def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model
-    dim of a residual stream stored wider, txlm.model.align.pad_widths), zeros after."""
+    dim of a residual stream stored wider, txlm.model.align.Stored), zeros after."""
     d = weight.size(0)
     if x.size(-1) == d:
         return torch.layer_norm(x, (d,), weight, bias, eps)
@@ -129,37 +130,40 @@ def _key_padding(klen: int, multiple: int) -> tuple[int, int]:
 class RelativeAttention(nn.Module):
     """One layer's attention, for every encoding of the paper's Table 6 (see config.AttnType)."""
 
-    def __init__(self, config: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, config: ModelConfig, layer: int = 0, stored: Stored | None = None) -> None:
+        """``stored``: the widths to store the weights with and the key layout
+        (txlm.model.align; None: as configured)."""
         super().__init__()
+        stored = Stored.of(config) if stored is None else stored
         self.layer = layer  # its index in the model: which of a cache's layers it reads
-        # d_head: the head dim as stored (txlm.model.align may pad it); the scale is the real one
-        self.n_head, self.d_head = config.n_head, config.d_head
+        # d_head: the head dim as stored (Dhp); the scale is the real one
+        self.n_head, self.d_head = config.n_head, stored.d_head
         self.attn_type = config.attn_type
         self.pre_lnorm = config.pre_lnorm
         self.attn_impl = config.attn_impl
         self.dropatt = config.dropatt
         self.scale = 1.0 / math.sqrt(config.d_head)
         # keys [memory; segment] rounded up to a multiple of this with masked slots in front
-        # (txlm.model.align sets it; 1: as they come)
-        self.key_multiple = 1
-        inner = config.n_head * config.d_head
+        # (1: as they come)
+        self.key_multiple = stored.keys
+        inner = config.n_head * stored.d_head
 
         # Rows [0, inner) project queries, [inner, 3 inner) keys and values. One weight so a
         # checkpoint stores it once; queries are projected from the current segment only.
-        self.qkv = nn.Linear(config.d_model, 3 * inner, bias=False)
-        self.out = nn.Linear(inner, config.d_model, bias=False)
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.qkv = nn.Linear(stored.d_model, 3 * inner, bias=False)
+        self.out = nn.Linear(inner, stored.d_model, bias=False)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)  # the real D
         self.drop = Dropout(config.dropout)
 
         self.untie_r = self.attn_type == "xl" and config.untie_r  # u, v of its own
         if self.attn_type == "xl":
-            self.r_net = nn.Linear(config.d_model, inner, bias=False)  # W_kR
+            self.r_net = nn.Linear(stored.d_model, inner, bias=False)  # W_kR
             if config.untie_r:
-                self.u = nn.Parameter(torch.zeros(config.n_head, config.d_head))
-                self.v = nn.Parameter(torch.zeros(config.n_head, config.d_head))
+                self.u = nn.Parameter(torch.zeros(config.n_head, stored.d_head))
+                self.v = nn.Parameter(torch.zeros(config.n_head, stored.d_head))
         elif self.attn_type == "shaw":
             # Learned relative embeddings, one per clipped distance, per layer.
-            self.r_emb = nn.Parameter(torch.zeros(config.n_positions, config.n_head, config.d_head))
+            self.r_emb = nn.Parameter(torch.zeros(config.n_positions, config.n_head, stored.d_head))
 
     # -- pieces -------------------------------------------------------------------------
     def _heads(self, x: Tensor) -> Tensor:
@@ -484,13 +488,15 @@ class RelativeAttention(nn.Module):
 class PositionwiseFF(nn.Module):
     """Two-layer ReLU network with residual and LayerNorm (post-LN as in the paper)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, stored: Stored | None = None) -> None:
+        """``stored``: the widths to store the weights with (txlm.model.align)."""
         super().__init__()
+        stored = Stored.of(config) if stored is None else stored
         self.pre_lnorm = config.pre_lnorm
-        self.fc1 = nn.Linear(config.d_model, config.d_inner)
-        self.fc2 = nn.Linear(config.d_inner, config.d_model)
+        self.fc1 = nn.Linear(stored.d_model, stored.d_inner)
+        self.fc2 = nn.Linear(stored.d_inner, stored.d_model)
         self.drop = Dropout(config.dropout)
-        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)  # the real D
 
     def forward(self, h: Tensor, weights: StepWeights | None = None, rows: bool = False) -> Tensor:
         """h [..., D] -> [..., D]. ``weights``, ``rows``: as in ``RelativeAttention.forward``

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor, nn
 
 from txlm.config import ModelConfig
+from txlm.model import align
 from txlm.model.adaptive import AdaptiveEmbedding, AdaptiveLogSoftmax
+from txlm.model.align import Stored
 from txlm.model.attention import PositionwiseFF, RelativeAttention
 from txlm.model.cache import CacheStep, KVCache
 from txlm.model.dropout import Dropout, dropout
@@ -44,13 +46,14 @@ class TransformerXLOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0, stored: Stored | None = None) -> None:
         super().__init__()
-        self.attn = RelativeAttention(config, index)
-        self.ff = PositionwiseFF(config)
+        stored = Stored.of(config) if stored is None else stored
+        self.attn = RelativeAttention(config, index, stored)
+        self.ff = PositionwiseFF(config, stored)
         if config.attn_type == "alrfou":
             # Al-Rfou et al.: a learned absolute embedding added to every layer's input.
-            self.pos_emb = nn.Parameter(torch.zeros(config.n_positions, config.d_model))
+            self.pos_emb = nn.Parameter(torch.zeros(config.n_positions, stored.d_model))
 
     def forward(
         self,
@@ -75,23 +78,33 @@ class DecoderLayer(nn.Module):
 
 
 class TransformerXL(nn.Module):
-    # hidden states held in this dtype (None: the embedding's); txlm.training.precision
-    activation_dtype: torch.dtype | None = None
-
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, stored: Stored | None = None) -> None:
+        """``stored``: the widths its weights are stored with, its attention's key layout and
+        its hidden states' dtype (txlm.model.align.Stored; None: as configured, the
+        embedding's dtype). Padded weights have zeros past the real entries and checkpoints
+        hold the real shapes (``state_dict`` strips, ``load_state_dict`` pads)."""
         super().__init__()
         self._config = config
         self._lengths = Lengths.of(config)
-        c = config
+        self._stored = Stored.of(config) if stored is None else stored
+        c, s = config, self._stored
         assert c.d_embed is not None
-        self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
+        self.embed = AdaptiveEmbedding(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val, s)
         self.drop = Dropout(c.dropout)
-        self.layers = nn.ModuleList(DecoderLayer(c, n) for n in range(c.n_layer))
+        self.layers = nn.ModuleList(DecoderLayer(c, n, s) for n in range(c.n_layer))
         if c.attn_type == "xl" and not c.untie_r:
             # Global content and position biases u, v, shared by all layers (Sec. 3.3).
-            self.u = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-            self.v = nn.Parameter(torch.zeros(c.n_head, c.d_head))
-        self.softmax = AdaptiveLogSoftmax(c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val)
+            self.u = nn.Parameter(torch.zeros(c.n_head, s.d_head))
+            self.v = nn.Parameter(torch.zeros(c.n_head, s.d_head))
+        self.softmax = AdaptiveLogSoftmax(
+            c.vocab_size, c.d_embed, c.d_model, c.cutoffs, c.div_val, s
+        )
+        names = {n for n, _ in self.named_parameters()}  # before tying: every name
+        # parameter name -> its padded axes (txlm.model.align.padding)
+        self.padding = {n: pads for n, pads in align.padding(c, s).items() if n in names}
+        if self.padding:
+            self._register_state_dict_hook(align.strip_hook)
+            self._register_load_state_dict_pre_hook(align.pad_hook, with_module=True)
         self.reset_parameters()
         self.tie_weights()
 
@@ -110,20 +123,25 @@ class TransformerXL(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights, Normal(0, proj_init_std) projections, zero biases."""
+        """Normal(0, init_std) weights, Normal(0, proj_init_std) projections, zero biases;
+        a padded parameter drawn in its real shape, zeros after (txlm.model.align)."""
         c = self.config
         for name, p in self.named_parameters():
             if p.device.type == "meta":
                 continue
+            pads = self.padding.get(name)
+            real = p if pads is None else p.new_empty(align.real_shape(p.shape, pads))
             leaf = name.rsplit(".", 1)[-1]
             if "norm" in name:
-                p.fill_(1.0 if leaf == "weight" else 0.0)
+                real.fill_(1.0 if leaf == "weight" else 0.0)
             elif ".projs." in name:
-                p.normal_(0.0, c.proj_init_std)
+                real.normal_(0.0, c.proj_init_std)
             elif leaf == "bias" or leaf == "cluster_bias":
-                p.zero_()
+                real.zero_()
             else:
-                p.normal_(0.0, c.init_std)
+                real.normal_(0.0, c.init_std)
+            if pads is not None:
+                p.copy_(align.pad(real, *pads))
 
     # -- configuration and lengths --------------------------------------------------------
     @property
@@ -136,6 +154,17 @@ class TransformerXL(nn.Module):
     def lengths(self) -> Lengths:
         """The lengths of the built configuration: what a forward uses when given none."""
         return self._lengths
+
+    @property
+    def stored(self) -> Stored:
+        """What the model stores as it was built (txlm.model.align.Stored): the widths of
+        its weights and hidden states (``stored.d_model``: D as stored), its key layout."""
+        return self._stored
+
+    @property
+    def activation_dtype(self) -> torch.dtype | None:
+        """The hidden states' dtype (``stored.activations``; None: the embedding's)."""
+        return self._stored.activations
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         params = {id(p): p for p in self.parameters()}
@@ -159,7 +188,7 @@ class TransformerXL(nn.Module):
         """``lengths``: the attention lengths of this call (txlm.model.lengths; None: the
         model's, ``model.lengths``); the memory is trimmed to its ``mem_len``.
         ``bucket_sizes``: the adaptive softmax's tail buckets for the labels
-        (``AdaptiveLogSoftmax.nll``; None: its ``buckets`` setting)."""
+        (``AdaptiveLogSoftmax.nll``; None: sized by the clusters' token counts)."""
         # Keyword-only past ``mems``: a positional ``model(x, mems, labels)`` would otherwise
         # read the labels as document-start flags without any error.
         hidden, new_mems, next_mask = self.transform(
@@ -331,7 +360,7 @@ class TransformerXL(nn.Module):
         c = self.config
         p = self.embed.layers[0].weight
         return KVCache(
-            c.n_layer, batch, c.n_head, self.layers[0].attn.d_head,
+            c.n_layer, batch, c.n_head, self._stored.d_head,
             lengths=self._lengths if lengths is None else lengths, max_len=max_len,
             device=p.device, dtype=p.dtype if dtype is None else dtype, static=static,
         )  # fmt: skip

@@ -40,7 +40,8 @@ from txlm.data.documents import DocumentBatch, DocumentBatches
 from txlm.data.prepared import default_data_dir
 from txlm.errors import ConfigError
 from txlm.evaluate import autocast
-from txlm.model import TransformerXL
+from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 from txlm.training.config import TrainConfig
 
 # The training rows' metric: the cross-entropy in bits per document (log2 C at chance);
@@ -85,8 +86,11 @@ class ClassifyTask:
             labels=tuple(self.dataset.labels), pooling=c.pooling, grad_segments=c.grad_segments
         )
 
-    def build_model(self, model_config: ModelConfig) -> Classifier:
-        return Classifier(TransformerXL(model_config), self.classifier_config())
+    def build_model(self, model_config: ModelConfig, stored: Stored | None = None) -> Classifier:
+        """A body of ``model_config`` stored with ``stored`` (txlm.model.align: padded from
+        the unpadded one, so the same initial weights) and a new head."""
+        body = align.padded(TransformerXL(model_config), stored)
+        return Classifier(body, self.classifier_config())
 
     def stream(
         self, model_config: ModelConfig, dist_info: dist.DistInfo, device: torch.device

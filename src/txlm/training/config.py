@@ -91,8 +91,9 @@ class RunConfig:
     # torch.compile the training forward; auto: on for CUDA, off on CPU (slower there).
     # Steps that compile count against neither time_budget_s nor tokens/s (reported apart).
     compile: bool | Literal["auto"] = "auto"
-    # store attention heads padded to a multiple of 8 dims (txlm.model.align: the same
-    # arithmetic, aligned kernels); auto: on CUDA, where it pays. Checkpoints keep real shapes.
+    # store the heads, widths and key axis padded to multiples of 8 (txlm.model.align: the
+    # same arithmetic, aligned kernels); auto: on CUDA, where it pays. Checkpoints keep real
+    # shapes.
     align_heads: bool | Literal["auto"] = "auto"
     device: str = "auto"  # auto: cuda when available (per local rank), else cpu
     out_dir: str | None = None  # None: runs/<preset>

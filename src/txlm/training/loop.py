@@ -61,9 +61,10 @@ from txlm.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.convert import text_options
 from txlm.data.vocab import Vocab
-from txlm.devices import check_precision, resolve_device
+from txlm.devices import check_precision, resolve_device, wanted
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
+from txlm.model.align import Stored
 from txlm.training.build import (
     build_optimizer,
     frozen_parameters,
@@ -86,14 +87,13 @@ from txlm.training.state import RNG, Counters, Memory
 from txlm.training.step import (
     StepStats,
     Update,
-    compile_wanted,
     forward_backward,
     graphs_compiled,
     tail_buckets,
     token_scale,
 )
 
-__all__ = ["RESULTS_FILE", "StepStats", "Trainer", "compile_wanted", "graphs_compiled"]
+__all__ = ["RESULTS_FILE", "StepStats", "Trainer", "graphs_compiled"]
 
 RESULTS_FILE = "results.json"
 
@@ -163,18 +163,18 @@ class Trainer:
         torch.manual_seed(r.seed)
         np.random.seed(r.seed % 2**32)
         random.seed(r.seed)
+        # stored padded where that pays, from the unpadded model: the same initial weights
+        stored = Stored.aligned(self.model_config) if wanted(r.align_heads, self.device) else None
         self.model: Any = (
-            TransformerXL(self.model_config)
+            align.padded(TransformerXL(self.model_config), stored)
             if self.task is None
-            else self.task.build_model(self.model_config)  # the body and a new head
+            else self.task.build_model(self.model_config, stored)  # the body and a new head
         )
         body = self.model if self.task is None else self.model.body
         if init_model is not None:
             load_init_weights(body, init_model)
             del init_model
         self.model = self.model.to(self.device)
-        if align.wanted(r.align_heads, self.device):
-            align.pad_model(body)  # before the optimizer: its state takes these shapes
         self.model.train()
         for p in frozen_parameters(self.model, config.optim.freeze):
             p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
@@ -185,7 +185,7 @@ class Trainer:
             config.data.batch_size // world,
             self.model_config.n_layer,
             self.model_config.d_model,
-            width=self.model.layers[0].attn.qkv.in_features,  # D as stored (align)
+            width=body.stored.d_model,
         )
         self.time_up = False
         self.compile_seconds = 0.0
@@ -229,7 +229,7 @@ class Trainer:
             self.checkpoints.load(Path(resume))
 
         # a classifier's forward loops over each batch's segments: eager (run.compile auto)
-        self.compiled = compile_wanted(r.compile, self.device) and self.task is None
+        self.compiled = wanted(r.compile, self.device) and self.task is None
         rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
         self.buckets = None
         if self.task is None:

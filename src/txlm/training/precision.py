@@ -16,17 +16,19 @@ casts only the blocks it uses (``adaptive._BlockNLL``), layer norms read bf16 in
 float32 weights and statistics. Autocast stays on around the forward for its per-op policy.
 
 Activations (``activations=True``, the trainer's): the residual stream, and so the memory,
-is bf16 from the embedding on; LayerNorm returns bf16 (``attention.layer_norm``), so a layer
-reads and writes half the bytes and no matmul input is cast. Only the loss is reduced in
-float32, as before. The master weights and Adam's state stay fp32; checkpoints hold the
-master. Gradients of several accumulation chunks add up in bf16 before they reach the
-master (with ``optim.grad_accum`` = 1 there is nothing to add).
+is bf16 from the embedding on (the copy is built with ``Stored.activations`` bf16);
+LayerNorm returns bf16 (``attention.layer_norm``), so a layer reads and writes half the
+bytes and no matmul input is cast. Only the loss is reduced in float32. The
+master weights and Adam's state stay fp32; checkpoints hold the master. Gradients of
+several accumulation chunks add up in bf16 before they reach the master (with
+``optim.grad_accum`` = 1 there is nothing to add).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -51,8 +53,15 @@ class ComputeCopy:
             id(p) for name, p in master.named_parameters() if name.rsplit(".", 1)[-1] in ("u", "v")
         }
         # deepcopy with every other parameter pre-placed in its memo: those stay the very
-        # same Parameter objects (shared, fp32, their gradients land on the master)
-        memo = {id(p): p for p in master.parameters() if id(p) not in low}
+        # same Parameter objects (shared, fp32, their gradients land on the master); and,
+        # with activations, the copy's record of what it stores in their place (each
+        # TransformerXL's, a classifier's body too): its hidden states in ``dtype``
+        memo: dict[int, object] = {id(p): p for p in master.parameters() if id(p) not in low}
+        if activations:
+            for module in master.modules():
+                if isinstance(module, TransformerXL):
+                    stored = module.stored
+                    memo[id(stored)] = dataclasses.replace(stored, activations=dtype)
         self.model = copy.deepcopy(master, memo)
         self.master_params: list[nn.Parameter] = []
         self.params: list[nn.Parameter] = []
@@ -65,8 +74,6 @@ class ComputeCopy:
             p.data = p.data.to(dtype)
             self.params.append(p)
             self.master_params.append(m)
-        if activations:
-            self.model.activation_dtype = dtype
 
     @torch.no_grad()
     def refresh(self) -> None:

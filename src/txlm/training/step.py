@@ -39,13 +39,8 @@ import torch
 from torch import Tensor
 
 from txlm import distributed as dist
-from txlm.devices import wanted
 from txlm.evaluate import autocast
 from txlm.training.state import Memory
-
-# ``run.compile``: true, false, or auto (on for CUDA, where it pays; off on a CPU, where
-# inductor's training step is slower than eager): the rule every "auto" setting follows
-compile_wanted = wanted
 
 
 def graphs_compiled() -> int:
