@@ -63,30 +63,25 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
     return x if x.dtype == dtype else x.to(dtype)
 
 
-def layer_norm(norm: nn.LayerNorm | tuple[Tensor, Tensor, float], x: Tensor) -> Tensor:
-    """``norm(x)`` without the module call: the same operation, and one fewer Python layer
-    on a path that makes a few per layer and token. ``norm``: the module, or its (weight,
-    bias, eps) as a decoder holds them (txlm.model.layout). A residual stream stored wider
-    than the model dim (txlm.model.align.Stored) is normalised over its real dims, zeros
-    after."""
-    if isinstance(norm, tuple):  # a decoder's, in a step that runs with autocast off
-        return _norm(x, *norm)
-    weight, bias, eps = norm.weight, norm.bias, norm.eps
+def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
+    """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model dim
+    of a residual stream stored wider, txlm.model.align.Stored), zeros after: a module's operation
+    without the module call, on its parameters or on them as a decoder holds them
+    (txlm.model.layout). Half-precision activations under autocast stay half (autocast would
+    return float32); the kernel keeps its statistics in float32 and reads float32 weights as
+    they are."""
     if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
-        # half-precision activations stay half (autocast would return float32); the kernel
-        # keeps its statistics in float32 and reads the float32 weights as they are
         with torch.autocast(x.device.type, enabled=False):
-            return _norm(x, weight, bias, eps)
-    return _norm(x, weight, bias, eps)
-
-
-def _norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
-    """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model
-    dim of a residual stream stored wider, txlm.model.align.Stored), zeros after."""
+            return layer_norm(x, weight, bias, eps)
     d = weight.size(0)
     if x.size(-1) == d:
         return torch.layer_norm(x, (d,), weight, bias, eps)
     return F.pad(torch.layer_norm(x[..., :d], (d,), weight, bias, eps), (0, x.size(-1) - d))
+
+
+def _args(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
+    """A LayerNorm module's (weight, bias, eps), as ``layer_norm`` takes them."""
+    return norm.weight, norm.bias, norm.eps
 
 
 def matmul(a: Tensor, b: Tensor, rows: bool = False) -> Tensor:
@@ -325,10 +320,10 @@ class RelativeAttention(nn.Module):
         """
         w = weights
         if w is None:  # the position biases as [H, 1, Dh], broadcast over the queries
-            norm, (u, v) = self.norm, self._position_biases(u, v)
+            norm, (u, v) = _args(self.norm), self._position_biases(u, v)
         else:
             norm, u, v = w.norm1, w.u, w.v
-        x = layer_norm(norm, h) if self.pre_lnorm else h
+        x = layer_norm(h, *norm) if self.pre_lnorm else h
         rows, front = False, 0
         if cache is not None:
             mask, rows = cache.mask, cache.fused  # one traced query: products as reductions
@@ -403,7 +398,7 @@ class RelativeAttention(nn.Module):
         out = out.view_as(h)
         if self.training:
             out = dropout(out, self.drop.p, True)
-        return h + out if self.pre_lnorm else layer_norm(norm, h + out), extras
+        return h + out if self.pre_lnorm else layer_norm(h + out, *norm), extras
 
     def _position_biases(
         self, u: Tensor | None, v: Tensor | None
@@ -450,7 +445,7 @@ class RelativeAttention(nn.Module):
         q = self._heads(q)
         parts = [kv]
         if mem is not None and mem.size(1) > 0:
-            m = layer_norm(self.norm, mem) if self.pre_lnorm else mem
+            m = layer_norm(mem, *_args(self.norm)) if self.pre_lnorm else mem
             parts.insert(0, _as(F.linear(m, self._split_qkv()[1]), kv.dtype))
         if front:  # in the same concatenation: no copy of its own
             parts.insert(0, kv.new_zeros(kv.size(0), front, kv.size(2)))
@@ -502,7 +497,7 @@ class PositionwiseFF(nn.Module):
         """h [..., D] -> [..., D]. ``weights``, ``rows``: as in ``RelativeAttention.forward``
         (a decoder's weights; one traced row's products as reductions)."""
         if weights is None:
-            norm, b1, b2 = self.norm, self.fc1.bias, self.fc2.bias
+            norm, b1, b2 = _args(self.norm), self.fc1.bias, self.fc2.bias
             w1, w2 = self.fc1.weight.t(), self.fc2.weight.t()
         else:
             norm, b1, b2 = weights.norm2, weights.fc1_b, weights.fc2_b
@@ -511,7 +506,7 @@ class PositionwiseFF(nn.Module):
         # is what F.linear runs for one), where torch may run a 3-D one as a product and a
         # separate pass to add the bias
         rows_in = h.reshape(-1, h.size(-1))
-        x = layer_norm(norm, rows_in) if self.pre_lnorm else rows_in
+        x = layer_norm(rows_in, *norm) if self.pre_lnorm else rows_in
         x = _as(x, w1.dtype)
         if rows:
             out = matmul(matmul(x, w1, True).add_(b1).relu_(), w2, True).add_(b2)
@@ -522,4 +517,4 @@ class PositionwiseFF(nn.Module):
         else:
             out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
         out = rows_in + out
-        return (out if self.pre_lnorm else layer_norm(norm, out)).view_as(h)
+        return (out if self.pre_lnorm else layer_norm(out, *norm)).view_as(h)
