@@ -8,8 +8,8 @@ random numbers come in as an input, drawn from the caller's generator just befor
 so the compiled step must draw the tokens of the eager pruned step and of the reference
 decoder's full-softmax draw with the same generator: greedy, top-k, top-k with top-p, top-p
 alone, plain sampling; hundreds of tokens over several rows and over one (where a skipped
-cluster's product reads one column), the cache's ring wrapping many times, no recompile,
-every cluster drawn from. With aot_eager (the traced graph as it is) and inductor (generated
+cluster's product reads one row of its weight), the cache's ring wrapping many times, no
+recompile, every cluster drawn from. With aot_eager (the traced graph as it is) and inductor (generated
 code, which must not read anything back to the host).
 """
 
@@ -105,7 +105,7 @@ def test_inductor_token_step_draws_the_same_tokens(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["greedy", "top_k", "plain"])
 def test_one_row_token_step_draws_the_same_tokens(name: str) -> None:
-    """One row: a tail cluster no row needs has its product read one column."""
+    """One row: a tail cluster no row needs has its product read one row of its weight."""
     row = {"greedy": 1, "top_k": 0, "plain": 3}[name]  # rows whose draws reach 2+ tails
     _check("aot_eager", name, steps=300, prompts=PROMPTS[row : row + 1], reached=3)
 

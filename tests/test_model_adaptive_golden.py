@@ -7,7 +7,8 @@ per tail cluster, cluster i's column standing for all of its tokens,
 
 with z the head's logits (shortlist s of them, then the clusters' in order) and w_i cluster
 i's logits over its own tokens, computed here in plain Python floats. The model's
-``log_prob``, its fused per-token ``nll`` and the decoder's head (txlm.head) each hold it.
+``log_prob`` (also with the head's weight joined as a decoder holds it) and its fused
+per-token ``nll`` hold it.
 """
 
 from __future__ import annotations

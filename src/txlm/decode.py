@@ -264,8 +264,12 @@ class Decoder:
         need = None
         if sampling is not None and self.cached and (traced or self.device.type == "cpu"):
             need = clusters_needed(sampling, self.softmax.shortlist, noise)
-        log_probs = self.softmax.log_prob(hidden, need, head=self.head, host_branch=not traced)
-        return log_probs if sampling is None else sample(log_probs, sampling, noise=noise)
+        if sampling is None:
+            return self.softmax.log_prob(hidden, head=self.head)
+        scores = self.softmax.log_prob(
+            hidden, need, head=self.head, host_branch=not traced, normalise=False
+        )
+        return sample(scores, sampling, noise=noise)
 
     def _noise(self, sampling: SamplingConfig | None, generator, batch: int) -> Tensor | None:
         """The random numbers of a draw over ``batch`` rows (txlm.sampling.draw_noise);

@@ -156,6 +156,7 @@ class AdaptiveLogSoftmax(nn.Module):
         *,
         head: tuple[Tensor, Tensor] | None = None,
         host_branch: bool = True,
+        normalise: bool = True,
     ) -> Tensor:
         """hidden [N, P] -> log-probabilities [N, V] (float32 at least).
 
@@ -173,12 +174,17 @@ class AdaptiveLogSoftmax(nn.Module):
         load, fused by a compiler: a row's bytes, not the weight's), so one graph,
         capturable. ``head``: the head's weight [shortlist + C, E] and bias, the shortlist
         rows then the cluster rows (a decoder's copy, joined once: one product, not two).
+        ``normalise=False``: what a draw needs, log-probabilities up to a constant per row (a
+        draw renormalises): a full softmax's logits as they are.
         """
         if head is None:
             head_lp = self._head_log_probs(hidden)
         else:
             proj = self.projs[0] if len(self.projs) else None
-            head_lp = F.log_softmax(upcast(self._logits(hidden, *head, proj)), dim=-1)
+            logits = upcast(self._logits(hidden, *head, proj))
+            if not self.n_clusters and not normalise:
+                return logits
+            head_lp = F.log_softmax(logits, dim=-1)
         if not self.n_clusters:
             return head_lp
         needs = None if need is None else need(head_lp)  # [N, C]
