@@ -302,9 +302,9 @@ class Decoder:
             with evaluating(self.model), torch.no_grad():
                 return fn()
         device = self.device.type
-        off = torch.autocast(device, enabled=False)
-        if not torch.is_autocast_enabled(device):  # (entering the context costs a step)
-            off = contextlib.nullcontext()
+        off = contextlib.nullcontext()
+        if torch.is_autocast_enabled(device):  # (making the context costs a step)
+            off = torch.autocast(device, enabled=False)
         with evaluating(self.model), torch.inference_mode(), off:
             out = fn()
         return out.clone()
