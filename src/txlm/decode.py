@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import types
 from collections.abc import Callable, Sequence
 
@@ -181,8 +182,9 @@ class Decoder:
         first, outside the step (one kernel), so the step is the same function every token."""
         ids = ids.view(-1).to(self.device)
         if not self.cached:
-            return self._call(lambda: self._uncached_step(ids, sampling, generator))
-        step = self._stepper(sampling)
+            step = functools.partial(self._token, sampling=sampling)
+        else:
+            step = self._stepper(sampling)
         return self._call(lambda: step(ids, self._noise(sampling, generator, ids.size(0))))
 
     # -- reading the prompts ------------------------------------------------------------
@@ -260,12 +262,12 @@ class Decoder:
         weight it means not to read), nor without a cache (the reference draws from the
         full distribution)."""
         hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
-        traced = torch.compiler.is_compiling()
-        need = None
-        if sampling is not None and self.cached and (traced or self.device.type == "cpu"):
-            need = clusters_needed(sampling, self.softmax.shortlist, noise)
         if sampling is None:
             return self.softmax.log_prob(hidden, head=self.head)
+        traced = torch.compiler.is_compiling()
+        need = None
+        if self.cached and (traced or self.device.type == "cpu"):
+            need = clusters_needed(sampling, self.softmax.shortlist, noise)
         scores = self.softmax.log_prob(
             hidden, need, head=self.head, host_branch=not traced, normalise=False
         )
@@ -279,25 +281,25 @@ class Decoder:
         vocab = self.model.config.vocab_size
         return draw_noise(sampling, batch, vocab, generator, self.device, self.score_dtype)
 
-    def _uncached_step(self, ids: Tensor, sampling, generator) -> Tensor:
-        hidden = self._segment(ids.view(-1, 1), None)
-        noise = self._noise(sampling, generator, ids.size(0))
-        return self._output(hidden[:, -1], sampling, noise)
-
-    def _cached_step(self, ids: Tensor, noise: Tensor | None, sampling) -> Tensor:
-        """One step over the cache, ids [B] (+ the draw's noise) -> log-probs [B, V] or the
-        next ids [B]: static shapes, no host synchronisation over a static cache, so it is
+    def _token(self, ids: Tensor, noise: Tensor | None, sampling: SamplingConfig | None) -> Tensor:
+        """One token per row, ids [B] (+ the draw's noise) -> log-probs [B, V] or the next
+        ids [B]. Over a static cache: static shapes, no host synchronisation, so it is
         compiled or captured as it is."""
-        hidden, _, _ = self.model.transform(ids.view(-1, 1), cache=self.cache, weights=self.weights)
+        if not self.cached:
+            hidden = self._segment(ids.view(-1, 1), None)
+        else:
+            hidden, _, _ = self.model.transform(
+                ids.view(-1, 1), cache=self.cache, weights=self.weights
+            )
         return self._output(hidden[:, -1], sampling, noise)
 
     def _call(self, fn: Callable[[], Tensor]) -> Tensor:
         """``fn()`` with the model in eval mode (dropout off: the cache is exact only for a
-        deterministic forward), the result copied out, an ordinary tensor. Cached: in
-        inference mode (no autograd bookkeeping: version counters, views, which a few
-        hundred small operations a step would feel; the cache is only ever written in this
-        mode) and with autocast off, the decoder casting explicitly; without a cache under
-        no_grad (its memory: ordinary tensors) as the caller has autocast."""
+        deterministic forward). Cached: in inference mode (no autograd bookkeeping: version
+        counters, views, which a few hundred small operations a step would feel; the cache
+        is only ever written in this mode) and with autocast off, the decoder casting
+        explicitly, the result copied out, an ordinary tensor; without a cache under no_grad
+        (its memory: ordinary tensors) and the caller's autocast."""
         if not self.cached:
             with evaluating(self.model), torch.no_grad():
                 return fn()
@@ -318,14 +320,14 @@ class Decoder:
 
     def _stepper(self, sampling: SamplingConfig | None = None) -> Callable[..., Tensor]:
         """The cached step to call, plain, compiled, or replayed from a CUDA graph: ids
-        (+ the draw's noise) -> log-probs, or the next ids with ``sampling``. One per
-        sampling setting (a compiled step holds it as a constant)."""
+        (+ the draw's noise) -> log-probs, or the next ids with ``sampling`` (``_token``).
+        One per sampling setting (a compiled step holds it as a constant)."""
         self._narrow()
         fn = self._steps.get(sampling)
         if fn is None:
 
             def fn(ids: Tensor, noise: Tensor | None = None) -> Tensor:
-                return self._cached_step(ids, noise, sampling)
+                return self._token(ids, noise, sampling)
 
             if self.compile:  # True: inductor; a string (or a callable) names another backend
                 backend = "inductor" if self.compile is True else self.compile
