@@ -198,19 +198,19 @@ def attention_maps(
     extras: list[dict] = []
 
     lengths = Lengths.of(c, tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0)
-    memory: dict = {"mems": None}
+    mems: list[Tensor] | None = None
 
     def step(ids, labels):
-        """The model's layers, keeping each layer's attention probabilities."""
+        """The model's layers, keeping each layer's attention probabilities (and the memory)."""
+        nonlocal mems
         extras.clear()
         if capture is not None:  # only count the segments we average
             for t in "abd":
                 capture.sums[t] = [None] * c.n_layer
-        _, memory["mems"], _ = model.transform(
-            ids, memory["mems"], lengths=lengths, attn_kwargs={"return_probs": True},
-            extras=extras,
-        )  # fmt: skip
-        return SimpleNamespace(mems=memory["mems"], mem_mask=None)
+        _, mems, _ = model.transform(
+            ids, mems, lengths=lengths, attn_kwargs={"return_probs": True}, extras=extras
+        )
+        return SimpleNamespace(mems=mems, mem_mask=None)
 
     try:
         segments = stream_segments(model, ids, predict=False, step=step, lengths=lengths)
