@@ -123,6 +123,7 @@ class Decoder:
         self.score_dtype = torch.float32 if half else dtype  # the output layer's (upcast)
         softmax = model.softmax
         with torch.no_grad():
+            self.weights = model.step_weights(dtype, self.cache_dtype) if cache else None
             if dtype != self.weight_dtype:  # the output layer's own copy in the decoder's dtype
                 softmax = copy.deepcopy(softmax).to(dtype)
             self.softmax = softmax
@@ -132,7 +133,6 @@ class Decoder:
                 weight = torch.cat([weight, softmax.cluster_weight])
                 bias = torch.cat([bias, softmax.cluster_bias])
             self.head = (one_row_layout(weight, dtype).t(), bias.detach().to(dtype))
-            self.weights = model.step_weights(dtype, self.cache_dtype) if cache else None
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
         self.mem_mask: Tensor | None = None
