@@ -181,11 +181,16 @@ class Decoder:
         with ``sampling`` the next token per row [B]. The draw's random numbers are drawn
         first, outside the step (one kernel), so the step is the same function every token."""
         ids = ids.view(-1).to(self.device)
-        if not self.cached:
-            step = functools.partial(self._token, sampling=sampling)
-        else:
-            step = self._stepper(sampling)
-        return self._call(lambda: step(ids, self._noise(sampling, generator, ids.size(0))))
+
+        def run() -> Tensor:
+            # (inside the call: the cache narrowed by the first step is an inference tensor too)
+            if not self.cached:
+                step = functools.partial(self._token, sampling=sampling)
+            else:
+                step = self._stepper(sampling)
+            return step(ids, self._noise(sampling, generator, ids.size(0)))
+
+        return self._call(run)
 
     # -- reading the prompts ------------------------------------------------------------
     def _read(self, rows: list[list[int]], start_id: int | None) -> Tensor:
