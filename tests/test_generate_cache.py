@@ -262,6 +262,9 @@ def test_results_are_ordinary_tensors() -> None:
     out = [dec.prefill([[1, 2, 3]]), dec.prefill([[1, 2, 3]], sampling=greedy)]
     out += [dec.step(torch.tensor([4])), dec.step(torch.tensor([5]), greedy)]
     assert not any(t.is_inference() for t in out)
+    # while the cache the steps narrowed and wrote is an inference tensor (no version counter
+    # bumped by each step's writes)
+    assert dec.cache.max_len == 1 and dec.cache.kv.is_inference()
     weight = torch.ones(64, requires_grad=True)
     (out[2][0] * weight).sum().backward()  # saving it for backward is allowed
     assert torch.equal(weight.grad, out[2][0])
