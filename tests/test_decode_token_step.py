@@ -9,8 +9,8 @@ so the compiled step must draw the tokens of the eager pruned step and of the re
 decoder's full-softmax draw with the same generator: greedy, top-k, top-k with top-p, top-p
 alone, plain sampling; hundreds of tokens over several rows and over one (where a skipped
 cluster's product reads one row of its weight), the cache's ring wrapping many times, no
-recompile, every cluster drawn from. With aot_eager (the traced graph as it is) and inductor (generated
-code, which must not read anything back to the host).
+recompile, every cluster drawn from. With aot_eager (the traced graph as it is) and inductor
+(generated code, which must not read anything back to the host).
 """
 
 from __future__ import annotations
