@@ -42,10 +42,10 @@ import torch
 
 from txlm import atomic
 from txlm.convert import hf_config_to_model_config, load_hf_state_dict
-from txlm.decode import CachedDecoder, UncachedDecoder
+from txlm.decode import Decoder
 from txlm.generate import generate as txlm_generate
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, sample
+from txlm.sampling import SamplingConfig
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/generate.json updates the committed one
@@ -135,14 +135,13 @@ def time_txlm(model: TransformerXL, prompt: list[int], new: int, seed: int, cach
 @torch.no_grad()
 def step_ms(model: TransformerXL, prompt: list[int], steps: int, cache: bool) -> float:
     """Steady-state milliseconds per decoding step (memory already full)."""
-    dec = CachedDecoder(model) if cache else UncachedDecoder(model)
-    logp = dec.prefill_scores([prompt])
+    dec = Decoder(model, cache=cache)
     cfg = SamplingConfig()
     gen = torch.Generator().manual_seed(0)
-    tok = sample(logp, cfg, gen)
+    tok = dec.prefill([prompt], sampling=cfg, generator=gen)
     t = time.perf_counter()
     for _ in range(steps):
-        tok = sample(dec.step_scores(tok), cfg, gen)  # what generation runs
+        tok = dec.step(tok, cfg, gen)  # what generation runs
     return (time.perf_counter() - t) / steps * 1e3
 
 

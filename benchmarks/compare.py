@@ -11,7 +11,7 @@ What is measured, per config and dtype (bf16 = CPU autocast for both libraries):
             memory already full, carried from segment to segment;
 - generate  greedy decoding of one row, one token at a time with long memory (mem_len 512,
             a 512-token context read first, not timed, so the memory is full). txlm uses
-            its cached decoder (txlm.decode.CachedDecoder).
+            its cached decoder (txlm.decode.Decoder).
 - eval with txlm_kv: the same evaluation through txlm.model.kv_eval.CachedEvaluator.
 Every workload alternates between the two libraries round by round (order flipped each
 round) and reports medians over rounds: the machine is shared and noisy, so only figures
@@ -64,9 +64,12 @@ except ImportError:  # a revision before txlm.atomic (profile_step.py counts old
     from txlm.data.vocab import write_text_atomic as write_text
 
 try:
-    from txlm.decode import CachedDecoder
-except ImportError:  # a revision before txlm.decode (profile_step.py counts old code too)
-    from txlm.generate import CachedDecoder
+    from txlm.decode import Decoder
+except ImportError:  # a revision before txlm.decode.Decoder (profile_step.py counts old code)
+    try:
+        from txlm.decode import CachedDecoder as Decoder
+    except ImportError:
+        from txlm.generate import CachedDecoder as Decoder
 from txlm.model.kv_eval import CachedEvaluator
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
@@ -272,7 +275,7 @@ def make_generate(lib: str, model, s: Shape, dtype: str, new: int) -> Callable[[
                     out = model(tok, mems=out.mems)
                     tok = out.prediction_scores[:, -1].argmax(-1, keepdim=True)
             else:
-                dec = CachedDecoder(model, lengths=model.lengths.replace(mem_len=GEN_MEM))
+                dec = Decoder(model, lengths=model.lengths.replace(mem_len=GEN_MEM))
                 logp = dec.prefill(context.tolist())
                 t0 = time.perf_counter()
                 for _ in range(new):

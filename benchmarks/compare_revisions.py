@@ -26,6 +26,7 @@ side may be a revision with lengths held in the model (``set_lengths``) or passe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import re
@@ -123,10 +124,18 @@ def with_mem(model, mem: int) -> dict:
 
 
 def decoder_class(mods: dict):
-    gen = mods["generate"]
-    if hasattr(gen, "CachedDecoder"):
-        return gen.CachedDecoder
-    return importlib.import_module(gen.__name__.replace(".generate", ".decode")).CachedDecoder
+    """The cached decoder of either revision: ``Decoder`` (txlm.decode), or ``CachedDecoder``
+    in txlm.decode or, older, txlm.generate; both take ``prefill(prompts)`` and ``step(ids)``."""
+    modules = [mods["generate"]]
+    with contextlib.suppress(ModuleNotFoundError):  # (a revision before txlm.decode)
+        modules.insert(
+            0, importlib.import_module(modules[0].__name__.replace("generate", "decode"))
+        )
+    for module in modules:
+        for name in ("Decoder", "CachedDecoder"):
+            if hasattr(module, name):
+                return getattr(module, name)
+    raise ImportError("no decoder class in this revision")
 
 
 def workloads(mods: dict, model, call_model, hf_model, ids: torch.Tensor, work: Path) -> dict:

@@ -26,7 +26,7 @@ measured. A section starts only while ``--budget-s`` seconds have not passed.
    decoding compiled (``txlm generate --compile``); decoding batches of 1, 8 and 64 rows
    (memory 512, bf16, compiled and captured, and eager captured): tokens/s over all rows;
    the same batches with the draw inside the compiled, captured step (greedy and top-k 40,
-   through the pruned adaptive softmax: ``step_tokens``); the kernels and library calls of
+   through the pruned adaptive softmax: ``step(ids, sampling)``); the kernels and library calls of
    each compiled step's generated code (``decode_kernels_per_token_compiled``, the count
    the budget of 100 per token is about);
 8. the attention candidates (SDPA with the position term as a bias, txlm's math, or on CUDA
@@ -71,7 +71,7 @@ from inductor_code import generated_code, kernel_counts
 from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
-from txlm.decode import CachedDecoder
+from txlm.decode import Decoder
 from txlm.devices import wanted
 from txlm.model import align
 from txlm.model.kv_eval import CachedEvaluator
@@ -448,7 +448,7 @@ def generate(
     """Greedy decoding speed (tokens/s over all ``batch`` rows, each its own prompt), and
     row 0's log-probs [new, V] of the steps from the first (to compare precisions and
     devices on the same prompt). ``graph``: the step replayed from a CUDA graph
-    (CachedDecoder's default on CUDA), else launched op by op; ``compile``: the step under
+    (the decoder's default on CUDA), else launched op by op; ``compile``: the step under
     torch.compile (on CUDA, then captured in a graph too). Timed after 3 warm-up steps (a
     graph is captured, a compiled step built and recorded). ``code``: gets what inductor
     generates for the step (``first_call``)."""
@@ -460,7 +460,7 @@ def generate(
     rows = []
     with torch.no_grad(), precision(device, name):
         captured = (graph or compile) and device.type == "cuda"  # as txlm generate does
-        dec = CachedDecoder(model, lengths=lengths, cuda_graph=captured, compile=backend)
+        dec = Decoder(model, lengths=lengths, cuda_graph=captured, compile=backend)
         logp = dec.prefill(prompts)
         for i in range(3):
             rows.append(logp[0].float().cpu())
@@ -485,7 +485,7 @@ def draw_tokens(
     batch: int = 1,
     code: list[str] | None = None,
 ) -> float:
-    """Decoding speed with the draw inside the step (``CachedDecoder.step_tokens``, what
+    """Decoding speed with the draw inside the step (``Decoder.step(ids, sampling)``, what
     ``txlm generate`` runs): bf16, compiled and captured on CUDA, through the pruned adaptive
     softmax when ``sampling`` lets it skip clusters (greedy, top-k within the shortlist).
     Tokens/s over all ``batch`` rows, timed after 3 warm-up steps. ``code``: gets what
@@ -497,15 +497,15 @@ def draw_tokens(
     backend = "inductor" if device.type == "cuda" else "eager"
     draws = torch.Generator(device=device).manual_seed(4)
     with torch.no_grad(), precision(device, "bf16"):
-        dec = CachedDecoder(model, lengths=lengths, compile=backend)
-        tokens = dec.prefill_tokens(prompts, sampling, draws)
-        tokens = first_call(dec.step_tokens, tokens, sampling, draws, into=code)
+        dec = Decoder(model, lengths=lengths, compile=backend)
+        tokens = dec.prefill(prompts, sampling=sampling, generator=draws)
+        tokens = first_call(dec.step, tokens, sampling, draws, into=code)
         for _ in range(2):
-            tokens = dec.step_tokens(tokens, sampling, draws)
+            tokens = dec.step(tokens, sampling, draws)
         sync(device)
         t0 = time.perf_counter()
         for _ in range(new):
-            tokens = dec.step_tokens(tokens, sampling, draws)
+            tokens = dec.step(tokens, sampling, draws)
         sync(device)
     return round(batch * new / (time.perf_counter() - t0), 1)
 
@@ -589,7 +589,7 @@ def profile(config: ModelConfig, device: torch.device, batch: int, context: int)
     lengths = model.lengths.replace(mem_len=max(config.mem_len, context))
     prompt = torch.randint(0, config.vocab_size, (context,)).tolist()
     with torch.no_grad():
-        dec = CachedDecoder(model, lengths=lengths, cuda_graph=False)
+        dec = Decoder(model, lengths=lengths, cuda_graph=False)
         state = {"logp": dec.prefill([prompt])}
 
         def token() -> None:

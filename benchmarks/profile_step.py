@@ -124,9 +124,9 @@ def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:
     """Kernels a GPU runs per decoded token: the compiled step (scores, ``sampling`` None,
     or the token step with its draw) partitioned into Triton kernels (``triton_partition``),
     by kind (``kernel_counts``)."""
-    from txlm.decode import CachedDecoder
+    from txlm.decode import Decoder
 
-    dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
+    dec = Decoder(model, compile=True, cuda_graph=False, **opts)
     logp = dec.prefill([prompt])
     inputs: tuple = (logp.argmax(-1),)
     if sampling is not None:
@@ -144,9 +144,12 @@ def count_ops(compiled: bool = False) -> dict:
     from txlm.config import ModelConfig
 
     try:
-        from txlm.decode import CachedDecoder
-    except ImportError:  # a revision from before txlm.decode
-        from txlm.generate import CachedDecoder
+        from txlm.decode import Decoder
+    except ImportError:  # a revision from before txlm.decode.Decoder
+        try:
+            from txlm.decode import CachedDecoder as Decoder
+        except ImportError:  # from before txlm.decode
+            from txlm.generate import CachedDecoder as Decoder
 
     config = ModelConfig.from_preset(
         "wt103-base", vocab_size=32000, cutoffs=[8000, 16000], dropout=0.1, dropatt=0.0
@@ -180,7 +183,7 @@ def count_ops(compiled: bool = False) -> dict:
 
     def decode(**extra) -> dict:
         with torch.no_grad():
-            dec = CachedDecoder(model, **opts, **extra)
+            dec = Decoder(model, **opts, **extra)
             logp = dec.prefill([prompt])
             for _ in range(3):  # past the first step (a CUDA graph captures on the second)
                 logp = dec.step(logp.argmax(-1))
@@ -192,9 +195,7 @@ def count_ops(compiled: bool = False) -> dict:
     per_token = decode()
     # through the modules only, where the code has the CPU one-token step (txlm.model.one_token)
     modules = (
-        decode(one_token=False)
-        if "one_token" in inspect.signature(CachedDecoder).parameters
-        else None
+        decode(one_token=False) if "one_token" in inspect.signature(Decoder).parameters else None
     )
 
     def top(counts: dict) -> dict:
@@ -203,7 +204,7 @@ def count_ops(compiled: bool = False) -> dict:
     traced, nests, partition = None, None, None
     if compiled:
         with torch.no_grad():
-            dec = CachedDecoder(model, compile=True, cuda_graph=False, **opts)
+            dec = Decoder(model, compile=True, cuda_graph=False, **opts)
             logp = dec.prefill([prompt])
             ids = logp.argmax(-1)
             codes = compiled_code(dec._stepper(), ids)

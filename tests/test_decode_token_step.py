@@ -1,16 +1,16 @@
 """Contract 36: the compiled token step, ids + the draw's random numbers -> next ids.
 
-A decoding step of ``CachedDecoder(compile=...)`` holds the draw: the step and the sampling
-in one graph (``torch.compile(fullgraph=True, dynamic=False)``: a graph break is an error),
-through the pruned adaptive softmax (branch-free: each tail cluster chosen on the device, no
-host read, so a CUDA graph can capture it). The
+A decoding step of ``Decoder(compile=...)`` given a sampling setting holds the draw: the
+step and the sampling in one graph (``torch.compile(fullgraph=True, dynamic=False)``: a graph
+break is an error), through the pruned adaptive softmax (branch-free: each tail cluster
+chosen on the device, no host read, so a CUDA graph can capture it). The
 random numbers come in as an input, drawn from the caller's generator just before the step,
 so the compiled step must draw the tokens of the eager pruned step and of the reference
 decoder's full-softmax draw with the same generator: greedy, top-k, top-k with top-p, top-p
 alone, plain sampling; hundreds of tokens over several rows and over one (where a skipped
-cluster's product reads one column), the cache's ring wrapping many times, no recompile,
-every cluster drawn from. With aot_eager (the traced graph as it is) and inductor (generated
-code, which must not read anything back to the host).
+cluster's product reads one row of its weight), the cache's ring wrapping many times, no
+recompile, every cluster drawn from. With aot_eager (the traced graph as it is) and inductor
+(generated code, which must not read anything back to the host).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import CachedDecoder, UncachedDecoder
+from txlm.decode import Decoder
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, draw_noise
+from txlm.sampling import SamplingConfig, clusters_needed, draw_noise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from inductor_code import compiled_code, kernel_counts, triton_partition
@@ -61,10 +61,10 @@ def _model() -> TransformerXL:
 def _tokens(decoder, sampling: SamplingConfig, steps: int, prompts=PROMPTS) -> torch.Tensor:
     """[B, steps + 1] tokens drawn by the decoder, seed 3."""
     g = torch.Generator().manual_seed(3)
-    tokens = decoder.prefill_tokens(prompts, sampling, g)
+    tokens = decoder.prefill(prompts, sampling=sampling, generator=g)
     out = [tokens]
     for _ in range(steps):
-        tokens = decoder.step_tokens(tokens, sampling, g)
+        tokens = decoder.step(tokens, sampling, g)
         out.append(tokens)
     return torch.stack(out, dim=1)
 
@@ -75,9 +75,11 @@ def _check(backend, name: str, steps: int, prompts=PROMPTS, reached: int = 4) ->
     torch._dynamo.reset()
     model = _model()
     sampling = CONFIGS[name]
-    eager = CachedDecoder(model)
-    compiled = CachedDecoder(model, compile=backend)
-    assert compiled._prunes(sampling) == (name != "top_p") == eager._prunes(sampling)
+    eager = Decoder(model)
+    compiled = Decoder(model, compile=backend)
+    noise = draw_noise(sampling, 1, model.config.vocab_size, None)
+    pruned = clusters_needed(sampling, model.softmax.shortlist, noise) is not None
+    assert pruned == (name != "top_p")  # (top-p alone draws from the full distribution)
     counters = torch._dynamo.utils.counters
     counters.clear()
     with torch._dynamo.config.patch(error_on_recompile=True):  # mem_len 16: ~20 ring turns
@@ -85,7 +87,7 @@ def _check(backend, name: str, steps: int, prompts=PROMPTS, reached: int = 4) ->
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert torch.equal(got, _tokens(eager, sampling, steps, prompts))  # the eager pruned draws
-    full = _tokens(UncachedDecoder(model), sampling, steps, prompts)  # the full softmax's
+    full = _tokens(Decoder(model, cache=False), sampling, steps, prompts)  # the full softmax's
     assert torch.equal(got, full)
     clusters = torch.bucketize(got, torch.tensor(CUTOFFS), right=True)
     assert len(set(clusters.flatten().tolist())) >= reached, name  # (all four: every one drawn)
@@ -103,7 +105,7 @@ def test_inductor_token_step_draws_the_same_tokens(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["greedy", "top_k", "plain"])
 def test_one_row_token_step_draws_the_same_tokens(name: str) -> None:
-    """One row: a tail cluster no row needs has its product read one column."""
+    """One row: a tail cluster no row needs has its product read one row of its weight."""
     row = {"greedy": 1, "top_k": 0, "plain": 3}[name]  # rows whose draws reach 2+ tails
     _check("aot_eager", name, steps=300, prompts=PROMPTS[row : row + 1], reached=3)
 
@@ -117,9 +119,9 @@ def test_the_compiled_token_step_reads_nothing_back(rows: int) -> None:
     fused kernels, not library products over the whole weight."""
     model = _model()
     sampling = CONFIGS["top_k"]
-    decoder = CachedDecoder(model, compile=True)
+    decoder = Decoder(model, compile=True)
     g = torch.Generator().manual_seed(3)
-    ids = decoder.prefill_tokens(PROMPTS[:rows], sampling, g)
+    ids = decoder.prefill(PROMPTS[:rows], sampling=sampling, generator=g)
     step = decoder._stepper(sampling)
     noise = draw_noise(sampling, rows, model.config.vocab_size, g)
     with triton_partition():
@@ -131,21 +133,21 @@ def test_the_compiled_token_step_reads_nothing_back(rows: int) -> None:
 
 
 def test_scores_step_and_token_step_share_the_cache() -> None:
-    """``step`` (scores) and ``step_tokens`` are two functions over one cache: alternating
+    """``step`` without and with a sampling setting are two functions over one cache: alternating
     them gives the eager decoder's log-probabilities and tokens."""
     torch._dynamo.reset()
     model = _model()
     sampling = SamplingConfig(top_k=5)
-    eager, compiled = CachedDecoder(model), CachedDecoder(model, compile="aot_eager")
+    eager, compiled = Decoder(model), Decoder(model, compile="aot_eager")
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    a = eager.prefill_tokens(PROMPTS, sampling, g1)
-    b = compiled.prefill_tokens(PROMPTS, sampling, g2)
+    a = eager.prefill(PROMPTS, sampling=sampling, generator=g1)
+    b = compiled.prefill(PROMPTS, sampling=sampling, generator=g2)
     for t in range(30):
         if t % 3 == 0:
             want, got = eager.step(a), compiled.step(b)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             a, b = want.argmax(-1), got.argmax(-1)
-        a, b = eager.step_tokens(a, sampling, g1), compiled.step_tokens(b, sampling, g2)
+        a, b = eager.step(a, sampling, g1), compiled.step(b, sampling, g2)
         assert torch.equal(a, b)
 
 
@@ -160,11 +162,11 @@ def test_more_sampling_settings_than_dynamos_limit_compile_in_one_process() -> N
     counters.clear()
     for k in range(1, limit + 3):
         sampling = SamplingConfig(top_k=k)
-        decoder = CachedDecoder(model, compile="aot_eager")
+        decoder = Decoder(model, compile="aot_eager")
         got = _tokens(decoder, sampling, steps=3, prompts=PROMPTS[:2])
-        assert torch.equal(got, _tokens(CachedDecoder(model), sampling, 3, PROMPTS[:2]))
+        assert torch.equal(got, _tokens(Decoder(model), sampling, 3, PROMPTS[:2]))
     assert counters["stats"]["unique_graphs"] == limit + 2
     counters.clear()
     for _ in range(3):
-        _tokens(CachedDecoder(model, compile="aot_eager"), SamplingConfig(top_k=2), 3, PROMPTS)
+        _tokens(Decoder(model, compile="aot_eager"), SamplingConfig(top_k=2), 3, PROMPTS)
     assert counters["stats"]["unique_graphs"] == 1

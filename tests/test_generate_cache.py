@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import debug_model
-from txlm.decode import CachedDecoder, UncachedDecoder
+from txlm.decode import Decoder
 from txlm.generate import generate
 from txlm.model import TransformerXL
+from txlm.sampling import SamplingConfig
 
 ATOL = 1e-5
 
@@ -57,7 +58,7 @@ def reference_log_probs(model: TransformerXL, prompt: list[int], cont: list[int]
 
 @torch.no_grad()
 def cached_log_probs(model: TransformerXL, prompt: list[int], cont: list[int]) -> torch.Tensor:
-    dec = CachedDecoder(model)
+    dec = Decoder(model)
     rows = [dec.prefill([prompt])[0]]
     for tok in cont[:-1]:
         rows.append(dec.step(torch.tensor([tok]))[0])
@@ -112,7 +113,7 @@ def test_eager_and_static_steps_agree(name: str) -> None:
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 64, (13,), generator=g).tolist()
     cont = torch.randint(0, 64, (steps,), generator=g).tolist()
-    eager, static = CachedDecoder(model), CachedDecoder(model)
+    eager, static = Decoder(model), Decoder(model)
     static.static = True  # the cache a compiled or captured step runs over, run eagerly
     rows = {"eager": _decode(eager, prompt, cont), "static": _decode(static, prompt, cont)}
     assert not eager.cache.static and static.cache.static
@@ -136,7 +137,7 @@ def test_every_query_length_runs_the_one_attention_forward(monkeypatch) -> None:
     monkeypatch.setattr(RelativeAttention, "forward", counted)
     n_layer = model.config.n_layer
     for static in (False, True):
-        dec = CachedDecoder(model)
+        dec = Decoder(model)
         dec.static = static
         dec.prefill([list(range(1, 14))])  # 13 tokens: segments of 5 and 8
         assert qlens == [5] * n_layer + [8] * n_layer
@@ -158,7 +159,7 @@ def test_bf16_decoder_follows_the_reference(name: str) -> None:
     prompt = torch.randint(0, 64, (13,), generator=g).tolist()
     cont = torch.randint(0, 64, (steps,), generator=g).tolist()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        dec = CachedDecoder(model)
+        dec = Decoder(model)
         got = _decode(dec, prompt, cont)
     assert dec.weights[0].qkv_t.dtype == torch.bfloat16
     assert dec.cache.kv.dtype == torch.float32
@@ -166,14 +167,14 @@ def test_bf16_decoder_follows_the_reference(name: str) -> None:
     ref = reference_log_probs(model, prompt, cont)
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
     assert (got - ref).abs().max() > 0  # bf16 really ran
-    outside = CachedDecoder(model, dtype=torch.bfloat16)
+    outside = Decoder(model, dtype=torch.bfloat16)
     torch.testing.assert_close(_decode(outside, prompt, cont), got, atol=0, rtol=0)
 
 
 def test_cache_holds_projections_of_the_trimmed_memory() -> None:
     """The cached K/V window equals the projection of the model's memory, step after step."""
     model = make_model(pre_lnorm=True)
-    cached, plain = CachedDecoder(model), UncachedDecoder(model)
+    cached, plain = Decoder(model), Decoder(model, cache=False)
     prompt = list(range(1, 20))
     cached.prefill([prompt])
     plain.prefill([prompt])
@@ -215,7 +216,7 @@ def test_batch_of_different_lengths_equals_each_row_alone() -> None:
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (21, 3, 1, 8, 30)]
     cont = torch.randint(0, 64, (len(prompts), 50), generator=g)
-    dec = CachedDecoder(model)
+    dec = Decoder(model)
     rows = [dec.prefill(prompts)]
     for t in range(cont.size(1) - 1):
         rows.append(dec.step(cont[:, t]))
@@ -241,24 +242,29 @@ def test_model_is_left_in_its_mode_and_unchanged() -> None:
 @pytest.mark.parametrize(
     "overrides", [{}, dict(cutoffs=[20, 40], div_val=2), dict(cutoffs=[20, 40], div_val=1)]
 )
-def test_sampling_scores_are_the_log_probs_up_to_a_constant(overrides: dict) -> None:
-    """What generation samples from (logits for a full softmax) normalises to the model's."""
+def test_decoder_log_probs_are_the_models_with_and_without_clusters(overrides: dict) -> None:
+    """The decoder's output layer (the model's adaptive softmax, its head's weight joined
+    with the cluster rows once, div_val 1 and 2) gives the model's log-probabilities."""
     model = make_model(**overrides)
     prompt, cont = list(range(1, 14)), [5, 9, 2, 40, 7, 7, 1, 30]
-    dec = CachedDecoder(model)
-    rows = [dec.prefill_scores([prompt])[0]]
-    rows += [dec.step_scores(torch.tensor([t]))[0] for t in cont[:-1]]
-    got = torch.stack(rows).log_softmax(-1)
+    dec = Decoder(model)
+    rows = [dec.prefill([prompt])[0]]
+    rows += [dec.step(torch.tensor([t]))[0] for t in cont[:-1]]
+    got = torch.stack(rows)
     torch.testing.assert_close(got, reference_log_probs(model, prompt, cont), atol=ATOL, rtol=0)
 
 
 def test_results_are_ordinary_tensors() -> None:
     """The cached decoder runs in inference mode; what it hands out may still enter autograd."""
     model = make_model()
-    dec = CachedDecoder(model)
-    out = [dec.prefill([[1, 2, 3]]), dec.prefill_scores([[1, 2, 3]])]
-    out += [dec.step(torch.tensor([4])), dec.step_scores(torch.tensor([5]))]
+    dec = Decoder(model)
+    greedy = SamplingConfig(greedy=True)
+    out = [dec.prefill([[1, 2, 3]]), dec.prefill([[1, 2, 3]], sampling=greedy)]
+    out += [dec.step(torch.tensor([4])), dec.step(torch.tensor([5]), greedy)]
     assert not any(t.is_inference() for t in out)
+    # while the cache the steps narrowed and wrote is an inference tensor (no version counter
+    # bumped by each step's writes)
+    assert dec.cache.max_len == 1 and dec.cache.kv.is_inference()
     weight = torch.ones(64, requires_grad=True)
     (out[2][0] * weight).sum().backward()  # saving it for backward is allowed
     assert torch.equal(weight.grad, out[2][0])
@@ -294,7 +300,7 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
     cont = torch.randint(0, 64, (40,), generator=g).tolist()
     ref = reference_log_probs(model, prompt, cont)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        dec = CachedDecoder(model)
+        dec = Decoder(model)
         rows = [dec.prefill([prompt])[0]]
         casts = _Casts()
         for i, tok in enumerate(cont[:-1]):

@@ -98,16 +98,16 @@ def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
 def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys, monkeypatch) -> None:
     """--precision bf16 runs the decoder under autocast (its weight products in bf16); greedy
     text starts as fp32's does (bf16 rounding may flip a near-tie later: a prefix only)."""
-    from txlm.decode import CachedDecoder
+    from txlm.decode import Decoder
 
     prepared: list[torch.dtype] = []
-    original = CachedDecoder.__init__
+    original = Decoder.__init__
 
     def recording(self, *args, **kwargs):
         original(self, *args, **kwargs)
         prepared.append(self.dtype)
 
-    monkeypatch.setattr(CachedDecoder, "__init__", recording)
+    monkeypatch.setattr(Decoder, "__init__", recording)
     argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--max-new-tokens", "8"]
     samples = {}
     for precision in ("fp32", "bf16"):

@@ -14,7 +14,7 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import CachedDecoder
+from txlm.decode import Decoder
 from txlm.generate import generate
 from txlm.model import TransformerXL
 from txlm.sampling import SamplingConfig
@@ -42,13 +42,13 @@ def test_repeated_rows_give_the_tokens_of_the_prompts_written_out(kind, compile,
     torch._dynamo.reset()
     model = _model(**MODELS[kind])
     widths = []
-    segment = CachedDecoder._segment
+    segment = Decoder._segment
 
     def counted(self, ids, reset):
         widths.append(ids.size(0))
         return segment(self, ids, reset)
 
-    monkeypatch.setattr(CachedDecoder, "_segment", counted)
+    monkeypatch.setattr(Decoder, "_segment", counted)
     for n in (1, 3):
         expanded = [p for p in PROMPTS for _ in range(n)]
         for sampling in (SamplingConfig(top_k=5), SamplingConfig(top_k=None)):
@@ -66,12 +66,13 @@ def test_repeated_cache_equals_the_cache_of_the_prompts_read_again() -> None:
     """The rows (to float32 rounding), document ids (left padding) and write position after
     ``repeat_rows`` equal those of reading every copy."""
     model = _model()
-    once, again = CachedDecoder(model), CachedDecoder(model)
+    once, again = Decoder(model), Decoder(model)
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     sampling = SamplingConfig(greedy=True)
-    first = once.prefill_tokens(PROMPTS, sampling, g1, repeats=3)
+    first = once.prefill(PROMPTS, sampling=sampling, generator=g1, repeats=3)
     assert torch.equal(
-        first, again.prefill_tokens([p for p in PROMPTS for _ in range(3)], sampling, g2)
+        first,
+        again.prefill([p for p in PROMPTS for _ in range(3)], sampling=sampling, generator=g2),
     )
     again._narrow()
     a, b = once.cache, again.cache

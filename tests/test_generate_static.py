@@ -1,7 +1,7 @@
 """The decoding step is static: one compiled graph for hundreds of tokens, no host sync.
 
 What a CUDA graph (or torch.compile's "reduce-overhead") needs, checked on the CPU: the step
-(``CachedDecoder.step_fn``) traces into a single graph (fullgraph=True: a graph break is an
+(``Decoder.step``) traces into a single graph (fullgraph=True: a graph break is an
 error), is never recompiled while the cache's ring wraps around many times (a recompile
 would mean some shape or Python value changed from token to token), gives the eager step's
 log-probabilities, and reads nothing back to the host: no ``aten::_local_scalar_dense`` (what
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import CachedDecoder
+from txlm.decode import Decoder
 from txlm.model import TransformerXL
 from txlm.sampling import SamplingConfig, sample
 
@@ -54,7 +54,7 @@ def test_compiled_step_runs_600_tokens_with_one_graph(overrides) -> None:
     torch._dynamo.reset()
     model = tiny_model(**overrides)
     prompt = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [2, 7, 1, 8]]  # padded rows: per-row masks
-    eager, compiled = CachedDecoder(model), CachedDecoder(model, compile="aot_eager")
+    eager, compiled = Decoder(model), Decoder(model, compile="aot_eager")
     want, got = eager.prefill(prompt), compiled.prefill(prompt)
     torch.testing.assert_close(got, want)
     ids = torch.randint(0, 64, (STEPS, 2), generator=torch.Generator().manual_seed(1))
@@ -74,7 +74,7 @@ def test_no_host_sync_inside_a_step_or_a_draw(overrides) -> None:
     """Also with adaptive embeddings of several widths (div_val > 1, as the published
     wt103 model), whose lookup once selected each cluster's tokens with nonzero."""
     model = tiny_model(**overrides)
-    dec = CachedDecoder(model)
+    dec = Decoder(model)
     scores = dec.prefill([[3, 1, 4], [1, 5, 9, 2, 6]])
     g = torch.Generator().manual_seed(0)
     configs = [
@@ -85,7 +85,7 @@ def test_no_host_sync_inside_a_step_or_a_draw(overrides) -> None:
     tokens = sample(scores, configs[0], g)
     for t in range(30):  # past the point where the memory trims
         with HostSyncs() as syncs:
-            scores = dec.step_scores(tokens)
+            scores = dec.step(tokens)
             tokens = sample(scores, configs[t % len(configs)], g)
         assert syncs.count == 0, t
     # the mode does see a sync when there is one

@@ -1,6 +1,6 @@
 """top-k with k equal to or above the vocabulary size cuts nothing: one token per row, the
 token plain sampling (no top-k) draws from the same generator state, through
-``txlm.sampling.sample``, the pruned adaptive head (``txlm.head``) and the cached decoder
+``txlm.sampling.sample``, the pruned adaptive softmax (``clusters_needed``) and the decoder
 (``txlm.generate``, eager and compiled)."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import torch
 from conftest import spread_weights
 from txlm.config import ModelConfig
 from txlm.generate import generate
-from txlm.head import DecodingHead
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, noise_shape, sample
+from txlm.sampling import SamplingConfig, clusters_needed, draw_noise, noise_shape, sample
 
 V = 64
 KS = [V, V + 1, 1000]
@@ -43,17 +42,24 @@ def test_sample_with_k_at_or_above_the_vocabulary_draws_as_without_top_k(k: int)
 
 
 @pytest.mark.parametrize("k", KS)
-def test_the_adaptive_head_draws_as_without_top_k(k: int) -> None:
-    """k above the shortlist: the head draws from the whole distribution, as plain sampling
-    does (pruned there), the same token per row."""
-    model = _model(cutoffs=[8, 24, 40], div_val=2)
-    head = DecodingHead(model.softmax, torch.float32)
+def test_the_adaptive_softmax_draws_as_without_top_k(k: int) -> None:
+    """k above the shortlist: the draw is from the whole distribution, as plain sampling's
+    (pruned there), the same token per row."""
+    softmax = _model(cutoffs=[8, 24, 40], div_val=2).softmax
     hidden = torch.randn(40, 32, generator=torch.Generator().manual_seed(3)) * 1.5
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
-    for h in hidden.split(4):
-        got = head.select(h, SamplingConfig(top_k=k), g1)
-        assert got.shape == (4,)
-        assert torch.equal(got, head.select(h, PLAIN, g2))
+
+    def draw(h, config, g):
+        noise = draw_noise(config, h.size(0), V, g)
+        need = clusters_needed(config, softmax.shortlist, noise)
+        assert (need is None) == (config != PLAIN)
+        return sample(softmax.log_prob(h, need), config, noise=noise)
+
+    with torch.no_grad():
+        for h in hidden.split(4):
+            got = draw(h, SamplingConfig(top_k=k), g1)
+            assert got.shape == (4,)
+            assert torch.equal(got, draw(h, PLAIN, g2))
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(cutoffs=[8, 24, 40], div_val=2)],

@@ -7,7 +7,8 @@ per tail cluster, cluster i's column standing for all of its tokens,
 
 with z the head's logits (shortlist s of them, then the clusters' in order) and w_i cluster
 i's logits over its own tokens, computed here in plain Python floats. The model's
-``log_prob``, its fused per-token ``nll`` and the decoder's head (txlm.head) each hold it.
+``log_prob`` (also with the head's weight joined as a decoder holds it) and its fused
+per-token ``nll`` hold it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import math
 import pytest
 import torch
 
-from txlm.head import DecodingHead
 from txlm.model.adaptive import AdaptiveLogSoftmax
 
 CUTOFFS = [2, 4]  # shortlist {0, 1}; cluster 1: {2, 3}; cluster 2: {4, 5}
@@ -84,8 +84,10 @@ def test_log_probs_of_a_hand_set_adaptive_softmax(div_val: int) -> None:
     want = torch.tensor([expected_log_probs(h) for h in HIDDEN], dtype=torch.float64)
     # float64 against Python's floats: the same formula, summed in another order
     torch.testing.assert_close(sm.log_prob(hidden), want, rtol=1e-12, atol=1e-12)
-    head = DecodingHead(sm, torch.float64)  # the decoder's copy of the same arithmetic
-    torch.testing.assert_close(head.normalise(head.scores(hidden)), want, rtol=1e-12, atol=1e-12)
+    # as a decoder computes it: the head's weight joined with the cluster rows, one product
+    w, b, _ = sm._weights(0)
+    joined = (torch.cat([w, sm.cluster_weight]), torch.cat([b, sm.cluster_bias]))
+    torch.testing.assert_close(sm.log_prob(hidden, head=joined), want, rtol=1e-12, atol=1e-12)
     targets = torch.tensor([[0, 3, 5], [1, 2, 4], [4, -100, 3]])
     for row in targets:
         rows = hidden[: len(row)]

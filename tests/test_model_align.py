@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.decode import CachedDecoder
+from txlm.decode import Decoder
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
 
@@ -151,7 +151,7 @@ def test_cached_decoding_on_padded_heads() -> None:
     plain, padded = pair()
     plain.eval(), padded.eval()
     prompt, cont = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]], torch.arange(30) % 64
-    a, b = CachedDecoder(plain), CachedDecoder(padded)
+    a, b = Decoder(plain), Decoder(padded)
     torch.testing.assert_close(b.prefill(prompt), a.prefill(prompt), atol=1e-6, rtol=0)
     for t in cont:
         torch.testing.assert_close(b.step(t.view(1)), a.step(t.view(1)), atol=1e-6, rtol=0)

@@ -35,6 +35,7 @@ from txlm.model import TransformerXL
 from txlm.model.kv_eval import CachedEvaluator
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
+from txlm.model.transformer import TransformerXLOutput
 
 LN2 = math.log(2.0)
 
@@ -90,8 +91,9 @@ class Segment:
     out: Any  # what the step returned: TransformerXLOutput by default
 
 
-# (input_ids, labels, mems, mem_mask, lengths) -> an object with .mems and .mem_mask
-Step = Callable[[Tensor, Tensor | None, list[Tensor] | None, Tensor | None, Lengths], Any]
+# (input_ids, labels) -> the segment's output; called on the segments of the same rows in
+# order, it carries the memory from one to the next itself
+Step = Callable[[Tensor, Tensor | None], Any]
 
 
 def stream_segments(
@@ -122,7 +124,7 @@ def stream_segments(
     ``compile``: run the segments under ``torch.compile`` (static shapes: the first segment,
     without memory, and a shorter last one add a graph).
     ``step``: a replacement for the model call (e.g. one that also collects attention),
-    ``step(ids, labels, mems, mem_mask, lengths)``.
+    ``step(ids, labels)``, given the segments in order and carrying its own memory.
     """
     lengths = model.lengths if lengths is None else lengths
     device = next(model.parameters()).device
@@ -141,8 +143,6 @@ def stream_segments(
         n_segments = min(n_segments, max_segments)
     if step is None:
         step = _model_step(model, lengths, kv_cache, compile)
-    mems: list[Tensor] | None = None
-    mem_mask: Tensor | None = None
     done = 0
     for index in range(n_segments):
         lo = index * seg_len
@@ -150,22 +150,28 @@ def stream_segments(
         ids = inputs[:, lo:hi].to(device, non_blocking=True)
         lab = None if labels is None else labels[:, lo:hi].to(device, non_blocking=True)
         with evaluating(model), torch.no_grad(), autocast(device, precision):
-            out = step(ids, lab, mems, mem_mask, lengths)
-        mems, mem_mask = out.mems, out.mem_mask
+            out = step(ids, lab)
         seen = 0 if counts is None else int(counts[hi - 1])
         yield Segment(index, lo, ids, lab, seen - done, out)
         done = seen
 
 
 def _model_step(model: TransformerXL, lengths: Lengths, kv_cache: bool, compile: bool) -> Step:
-    """The model call of ``stream_segments``: a plain forward, or the key/value cache."""
+    """The model call of ``stream_segments``: the key/value cache (the memory its keys and
+    values), or a plain forward carrying the hidden-state memory."""
     if kv_cache:
-        runner = CachedEvaluator(model, lengths=lengths, compile=compile)
-        return lambda ids, labels, mems, mem_mask, lengths: runner(ids, labels=labels)
+        return CachedEvaluator(model, lengths=lengths, compile=compile)
     forward = torch.compile(model, dynamic=False) if compile else model
-    return lambda ids, labels, mems, mem_mask, lengths: forward(
-        ids, mems=mems, labels=labels, mem_mask=mem_mask, lengths=lengths
-    )
+    mems: list[Tensor] | None = None
+    mem_mask: Tensor | None = None
+
+    def step(ids: Tensor, labels: Tensor | None) -> TransformerXLOutput:
+        nonlocal mems, mem_mask
+        out = forward(ids, mems=mems, labels=labels, mem_mask=mem_mask, lengths=lengths)
+        mems, mem_mask = out.mems, out.mem_mask
+        return out
+
+    return step
 
 
 def evaluate_tokens(

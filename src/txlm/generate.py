@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from txlm.decode import CachedDecoder, UncachedDecoder
+from txlm.decode import Decoder
 from txlm.errors import ConfigError
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
@@ -80,11 +80,11 @@ def stream(
     ``stop_id``: a row that has drawn it is finished; from then on it yields ``stop_id``
     again (padding) and the stream ends once every row is finished. The ids come back on
     the CPU; the next step is already queued on the device when they are read.
-    ``compile``: run the decoding step under ``torch.compile`` (see ``CachedDecoder``).
+    ``compile``: run the decoding step under ``torch.compile`` (see ``txlm.decode.Decoder``).
     ``lengths``: the attention lengths to decode with (None: the model's).
     The model is left as it is: each decoder call runs it in eval mode and puts it back
     (nothing is held changed across a ``yield``); the decoder's dtype is autocast's when
-    it is on as the first step is taken (txlm.decode.CachedDecoder).
+    it is on as the first step is taken (txlm.decode.Decoder).
     """
     sampling = sampling or SamplingConfig()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -95,11 +95,7 @@ def stream(
         raise ConfigError(
             f"stop id {stop_id} is outside the vocabulary (size {model.config.vocab_size})"
         )
-    decoder = (
-        CachedDecoder(model, lengths=lengths, compile=compile)
-        if use_cache
-        else UncachedDecoder(model, lengths=lengths)
-    )
+    decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile)
     if generator is None:
         generator = torch.Generator(device=decoder.device)
         if seed is None:
@@ -109,8 +105,8 @@ def stream(
     if max_new_tokens == 0:
         return
     # each prompt read once, its rows repeated for its samples (C36)
-    tokens = decoder.prefill_tokens(
-        rows, sampling, generator, start_id=start_id, repeats=num_samples
+    tokens = decoder.prefill(
+        rows, start_id=start_id, repeats=num_samples, sampling=sampling, generator=generator
     )
     finished = torch.zeros(len(rows) * num_samples, dtype=torch.bool, device=decoder.device)
     for t in range(max_new_tokens):
@@ -119,7 +115,7 @@ def stream(
             finished |= tokens == stop_id
         upcoming = None
         if t + 1 < max_new_tokens:  # queued on the device before the host waits below
-            upcoming = decoder.step_tokens(tokens, sampling, generator)
+            upcoming = decoder.step(tokens, sampling, generator)
         host = tokens.cpu()  # the one host synchronisation per token
         yield host
         if stop_id is not None and bool((host == stop_id).all()):

@@ -20,6 +20,7 @@ itself would, they are the same numbers, so the same token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -93,9 +94,9 @@ def sample(
     ``scores`` are log-probabilities or raw logits: only their differences within a row
     matter (the kept mass is renormalised), so the decoder can skip the log-softmax.
     A top-k cut draws among its k candidates (``draw``); a draw over the whole vocabulary
-    inverts the distribution's CDF at one uniform per row (``draw_cdf``), the rule an
-    adaptive softmax can follow cluster by cluster (txlm.head). ``noise``: the draw's
-    random numbers (``draw_noise``), else drawn here from ``generator``.
+    inverts the distribution's CDF at one uniform per row (``draw_cdf``), which an adaptive
+    softmax keeps while skipping the clusters the draw cannot reach (``clusters_needed``).
+    ``noise``: the draw's random numbers (``draw_noise``), else drawn here from ``generator``.
     """
     if config.greedy:
         return scores.argmax(dim=-1)
@@ -108,6 +109,45 @@ def sample(
         return ids.gather(1, race(probs, noise)).squeeze(1)
     probs = filter_log_probs(scores, config).softmax(dim=-1)
     return cdf_index(probs.cumsum(dim=-1), noise.to(probs.dtype))
+
+
+def clusters_needed(
+    config: SamplingConfig, shortlist: int, noise: Tensor | None
+) -> Callable[[Tensor], Tensor] | None:
+    """Which tail clusters of an adaptive softmax a draw of ``config`` may take its token
+    from, as a rule on the head's log-probabilities: [B, shortlist + C] (the shortlist
+    tokens', then one per cluster) -> bool [B, C]; what ``AdaptiveLogSoftmax.log_prob``
+    (``need=``) computes. None where the head rules no cluster out (top-p alone, a
+    temperature without top-k, a top-k above the shortlist). ``noise``: the draw's random
+    numbers (``draw_noise``), the same the draw is then given.
+
+    A token of cluster c has log-probability head_c + log p(token | c) <= head_c, so:
+    - greedy, top-k: a cluster whose head_c is below the k-th best shortlist log-probability
+      holds no candidate, and the k best of the vocabulary are among the shortlist's and the
+      other clusters';
+    - plain sampling (temperature 1): the inverse CDF over the vocabulary, laid out
+      shortlist then cluster by cluster as the head is, falls at its uniform inside the
+      cluster the head's own inverse CDF draws at it: that cluster only.
+    """
+    if config.greedy or (config.top_k is not None and config.top_k <= shortlist):
+        k = 1 if config.greedy else config.top_k
+
+        def above_kth(head: Tensor) -> Tensor:
+            kth = head[:, :shortlist].topk(k, dim=-1).values[:, -1:]  # [B, 1]
+            return head[:, shortlist:] >= kth
+
+        return above_kth
+    plain = config.top_p is None or config.top_p >= 1.0
+    if config.top_k is not None or not plain or config.temperature != 1.0:
+        return None
+    assert noise is not None
+
+    def drawn(head: Tensor) -> Tensor:
+        index = cdf_index(head.exp().cumsum(dim=-1), noise.to(head.dtype))  # [B]
+        clusters = torch.arange(shortlist, head.size(-1), device=head.device)
+        return index[:, None] == clusters
+
+    return drawn
 
 
 def noise_shape(config: SamplingConfig, batch: int, vocab: int) -> tuple[str, int] | None:

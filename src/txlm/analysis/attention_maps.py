@@ -197,22 +197,23 @@ def attention_maps(
     seg_probs: list[tuple[int, Tensor]] = []  # (segment start, [N, H, L, K]) of the view
     extras: list[dict] = []
 
-    def step(ids, labels, mems, mem_mask, lengths):
-        """The model's layers, keeping each layer's attention probabilities."""
+    lengths = Lengths.of(c, tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0)
+    mems: list[Tensor] | None = None
+
+    def step(ids, labels):
+        """The model's layers, keeping each layer's attention probabilities (and the memory)."""
+        nonlocal mems
         extras.clear()
         if capture is not None:  # only count the segments we average
             for t in "abd":
                 capture.sums[t] = [None] * c.n_layer
-        _, new_mems, _ = model.transform(
+        _, mems, _ = model.transform(
             ids, mems, lengths=lengths, attn_kwargs={"return_probs": True}, extras=extras
         )
-        return SimpleNamespace(mems=new_mems, mem_mask=None)
+        return SimpleNamespace(mems=mems, mem_mask=None)
 
     try:
-        segments = stream_segments(
-            model, ids, predict=False, step=step,
-            lengths=Lengths.of(c, tgt_len=tgt_len, mem_len=mem_len, same_length=mem_len > 0),
-        )  # fmt: skip
+        segments = stream_segments(model, ids, predict=False, step=step, lengths=lengths)
         for seg in segments:
             s, start, width = seg.index, seg.start, seg.input_ids.size(1)
             probs = torch.stack([e["probs"][0] for e in extras]).float().cpu()  # [N, H, L, K]

@@ -18,7 +18,8 @@ column -i instead, which disagrees with its own forward when there are 2+ tail c
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -173,17 +174,65 @@ class AdaptiveLogSoftmax(nn.Module):
         return F.log_softmax(upcast(logits), dim=-1)
 
     # -- public -------------------------------------------------------------------------
-    def log_prob(self, hidden: Tensor) -> Tensor:
-        """hidden [N, P] -> log-probabilities [N, V] (float32 at least)."""
-        head = self._head_log_probs(hidden)
+    def log_prob(
+        self,
+        hidden: Tensor,
+        need: Callable[[Tensor], Tensor] | None = None,
+        *,
+        head: tuple[Tensor, Tensor] | None = None,
+        host_branch: bool = True,
+        normalise: bool = True,
+    ) -> Tensor:
+        """hidden [N, P] -> log-probabilities [N, V] (float32 at least).
+
+        ``need``: the tail clusters a draw may take its token from (a decoder's pruned
+        draw, txlm.sampling.clusters_needed): the head's log-probabilities [N, shortlist +
+        C] -> bool [N, C]. A cluster no row needs is not computed: its tokens hold its mass
+        spread evenly, head_c - log n_c. That is at most head_c, below every candidate a
+        top-k cut or greedy keeps when ``need`` rules the cluster out, and it keeps the
+        cluster's share of the cumulative distribution, so an inverse CDF falls where it
+        would (inside a skipped cluster only within rounding of its edge). ``host_branch``:
+        skip with a Python branch (eagerly, where reading the flag is free: a CPU);
+        otherwise nothing is read on the host: each cluster is computed and its values or
+        the spread ones chosen by ``torch.where``, and for one row a cluster no row needs
+        has each of its outputs read the weight's first row (a reduction with an indexed
+        load, fused by a compiler: a row's bytes, not the weight's), so one graph,
+        capturable. ``head``: the head's weight [shortlist + C, E] and bias, the shortlist
+        rows then the cluster rows (a decoder's copy, joined once: one product, not two).
+        ``normalise=False``: what a draw needs, log-probabilities up to a constant per row (a
+        draw renormalises): a full softmax's logits as they are.
+        """
+        if head is None:
+            head_lp = self._head_log_probs(hidden)
+        else:
+            proj = self.projs[0] if len(self.projs) else None
+            logits = upcast(self._logits(hidden, *head, proj))
+            if not self.n_clusters and not normalise:
+                return logits
+            head_lp = F.log_softmax(logits, dim=-1)
         if not self.n_clusters:
-            return head
-        out = hidden.new_empty(hidden.size(0), self.vocab_size, dtype=head.dtype)
-        out[:, : self.shortlist] = head[:, : self.shortlist]
+            return head_lp
+        needs = None if need is None else need(head_lp)  # [N, C]
+        out = head_lp.new_empty(hidden.size(0), self.vocab_size)
+        out[:, : self.shortlist] = head_lp[:, : self.shortlist]
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
-            tail = F.log_softmax(upcast(self._logits(hidden, *self._weights(i))), dim=-1)
-            out[:, lo:hi] = head[:, self.shortlist + i - 1, None] + tail
+            cluster = head_lp[:, self.shortlist + i - 1, None]  # log p(cluster i) [N, 1]
+            needed = None if needs is None else needs[:, i - 1].any()
+            if needed is not None and host_branch and not bool(needed):
+                out[:, lo:hi] = cluster - math.log(hi - lo)
+                continue
+            weight, bias, proj = self._weights(i)
+            x = hidden if proj is None else hidden @ proj
+            if needed is not None and not host_branch and x.size(0) == 1:
+                rows = torch.where(needed, torch.arange(hi - lo, device=x.device), 0)
+                logits = (x[:, None, :] * weight[rows]).sum(-1) + bias[rows]
+            else:
+                logits = F.linear(x, weight, bias)
+            tail = cluster + F.log_softmax(upcast(logits), dim=-1)
+            if needed is not None and not host_branch:
+                tail = torch.where(needed, tail, cluster - math.log(hi - lo))
+            out[:, lo:hi] = tail
         return out
 
     def nll(

@@ -14,10 +14,10 @@ half the key/value work at M = L and 80% at M = 4L (mem 512, segment 128).
 
 The results equal ``model(...)`` segment by segment up to float rounding (the same products,
 blocked differently by the matmul): tests/test_perf_kv_eval.py. It is the model's own
-``transform`` with a ``KVCache`` (txlm.model.cache), the same one generation decodes with;
-the hidden-state memory is carried too, so ``out.mems`` and ``out.mem_mask`` are the model's.
-Opt-in, for inference only: training needs the projections in the autograd graph, and dropout
-would make them differ.
+``transform`` with a ``KVCache`` (txlm.model.cache), the same one generation decodes with.
+The cache is the memory: no hidden states are kept (``out.mems`` is empty; ``cache.window``
+and ``cache.memory_valid`` show what it holds). Opt-in, for inference only: training needs the
+projections in the autograd graph, and dropout would make them differ.
 
     runner = CachedEvaluator(model)             # model.eval()
     for batch in stream:
@@ -35,8 +35,8 @@ from txlm.model.transformer import TransformerXL, TransformerXLOutput
 
 
 class CachedEvaluator:
-    """Runs consecutive segments of the same rows through ``model``, carrying the memory
-    (hidden states, their validity mask, and the cache of projected keys/values)."""
+    """Runs consecutive segments of the same rows through ``model``, carrying the memory as
+    the cache of projected keys and values (with their positions and document ids)."""
 
     def __init__(
         self, model: TransformerXL, *, lengths: Lengths | None = None, compile: bool | str = False
@@ -54,15 +54,14 @@ class CachedEvaluator:
 
     def reset_state(self) -> None:
         """Forget the memory: the next segment starts every row from scratch."""
-        self.mems: list[Tensor] | None = None
-        self.mem_mask: Tensor | None = None
         self.cache: KVCache | None = None
 
     @torch.no_grad()
     def __call__(
         self, input_ids: Tensor, labels: Tensor | None = None, reset: Tensor | None = None
     ) -> TransformerXLOutput:
-        """Like ``model(input_ids, mems, reset, labels, mem_mask)`` with the carried memory."""
+        """Like ``model(input_ids, mems, reset=reset, labels=labels, mem_mask=mem_mask)`` with
+        the carried memory (rows [B] and positions as in the previous call)."""
         model = self.model
         if model.training:
             raise RuntimeError("CachedEvaluator needs model.eval(): dropout changes projections")
@@ -72,11 +71,5 @@ class CachedEvaluator:
                 max(input_ids.size(1), self.lengths.tgt_len),
                 lengths=self.lengths,
             )
-            # empty hidden-state memory (not None): transform then carries it along
-            width = model.layers[0].attn.qkv.in_features  # d_model as stored (align)
-            h = torch.empty(input_ids.size(0), 0, width, device=input_ids.device)
-            self.mems = [h] * model.config.n_layer
-        hidden, self.mems, self.mem_mask = self._transform(
-            input_ids, self.mems, reset, self.mem_mask, cache=self.cache
-        )
-        return model.output(hidden, self.mems, self.mem_mask, labels)
+        hidden, mems, mem_mask = self._transform(input_ids, reset=reset, cache=self.cache)
+        return model.output(hidden, mems, mem_mask, labels)
