@@ -234,18 +234,24 @@ def test_memory_state_holds_the_real_width_and_rows():
         Memory(rows=3, n_layer=2, d_model=3).load_state_dict(state)
 
 
-def test_deterministic_mode_is_on_inside_the_trainer_only(corpus, tmp_path):
-    assert not torch.are_deterministic_algorithms_enabled()
-    trainer = _trainer(corpus, tmp_path, "run.deterministic=true", "optim.max_steps=2")
-    assert not torch.are_deterministic_algorithms_enabled()
+def _seen_in_forward(trainer, probe):
+    """A list that receives ``probe()`` at each of the trainer's forward calls."""
     seen = []
     real = trainer.forward_model
 
     def forward(*args, **kwargs):
-        seen.append(torch.are_deterministic_algorithms_enabled())
+        seen.append(probe())
         return real(*args, **kwargs)
 
     trainer.forward_model = forward
+    return seen
+
+
+def test_deterministic_mode_is_on_inside_the_trainer_only(corpus, tmp_path):
+    assert not torch.are_deterministic_algorithms_enabled()
+    trainer = _trainer(corpus, tmp_path, "run.deterministic=true", "optim.max_steps=2")
+    assert not torch.are_deterministic_algorithms_enabled()
+    seen = _seen_in_forward(trainer, torch.are_deterministic_algorithms_enabled)
     trainer.train_step()
     assert not torch.are_deterministic_algorithms_enabled()
     trainer.fit()
@@ -259,14 +265,7 @@ def test_run_threads_hold_inside_the_trainer_only(corpus, tmp_path):
     other = 2 if threads == 1 else 1
     trainer = _trainer(corpus, tmp_path, f"run.threads={other}", "optim.max_steps=2")
     assert torch.get_num_threads() == threads
-    seen = []
-    real = trainer.forward_model
-
-    def forward(*args, **kwargs):
-        seen.append(torch.get_num_threads())
-        return real(*args, **kwargs)
-
-    trainer.forward_model = forward
+    seen = _seen_in_forward(trainer, torch.get_num_threads)
     trainer.train_step()
     assert torch.get_num_threads() == threads
     trainer.fit()

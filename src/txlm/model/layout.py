@@ -68,18 +68,13 @@ class StepWeights:
         *,
         dtype: torch.dtype | None = None,
         attn_dtype: torch.dtype | None = None,
-        copy: bool = True,
     ) -> StepWeights:
         """``layer``'s weights; ``u``, ``v``: the model's shared biases. ``dtype``: the
-        products' (None: the weights'); ``attn_dtype``: the biases' (None: the weights');
-        ``copy=False``: views of the parameters as they are (a one-off step)."""
+        products' (None: the weights'); ``attn_dtype``: the biases' (None: the weights')."""
         attn, ff = layer.attn, layer.ff
         own = attn.qkv.weight
         dtype = own.dtype if dtype is None else dtype
         attn_dtype = own.dtype if attn_dtype is None else attn_dtype
-
-        def t(weight: Tensor) -> Tensor:
-            return one_row_layout(weight, dtype) if copy else weight.detach().t()
 
         if attn.attn_type != "xl":
             u = v = None
@@ -93,8 +88,9 @@ class StepWeights:
             return m.weight.detach(), m.bias.detach(), m.eps
 
         return cls(
-            qkv_t=t(attn.qkv.weight), out_t=t(attn.out.weight),
-            fc1_t=t(ff.fc1.weight), fc1_b=ff.fc1.bias.detach().to(dtype),
-            fc2_t=t(ff.fc2.weight), fc2_b=ff.fc2.bias.detach().to(dtype),
+            qkv_t=one_row_layout(attn.qkv.weight, dtype),
+            out_t=one_row_layout(attn.out.weight, dtype),
+            fc1_t=one_row_layout(ff.fc1.weight, dtype), fc1_b=ff.fc1.bias.detach().to(dtype),
+            fc2_t=one_row_layout(ff.fc2.weight, dtype), fc2_b=ff.fc2.bias.detach().to(dtype),
             norm1=norm(attn.norm), norm2=norm(ff.norm), u=bias(u), v=bias(v),
         )  # fmt: skip

@@ -370,14 +370,11 @@ class TransformerXL(nn.Module):
         self,
         dtype: torch.dtype | None = None,
         attn_dtype: torch.dtype | None = None,
-        *,
-        copy: bool = True,
     ) -> list[StepWeights]:
         """Per layer the weights a decoder's forward reads (txlm.model.layout), its products
         in ``dtype`` and its attention in ``attn_dtype`` (the weights' by default): a decoder
-        makes them once (``copy=False``: views of the parameters as they are)."""
+        makes them once."""
         u, v = getattr(self, "u", None), getattr(self, "v", None)
         return [
-            StepWeights.of(layer, u, v, dtype=dtype, attn_dtype=attn_dtype, copy=copy)
-            for layer in self.layers
+            StepWeights.of(layer, u, v, dtype=dtype, attn_dtype=attn_dtype) for layer in self.layers
         ]
