@@ -32,6 +32,7 @@ from txlm.model.dropout import Dropout, dropout
 from txlm.model.layout import StepWeights
 
 _NO_EXTRAS: Mapping[str, Tensor] = MappingProxyType({})  # what a forward returns by default
+_HALF = (torch.float16, torch.bfloat16)  # dtypes normalised in float32
 
 
 def rel_shift(x: Tensor, klen: int | None = None) -> Tensor:
@@ -70,7 +71,7 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     (txlm.model.layout). Half-precision activations under autocast stay half (autocast would
     return float32); the kernel keeps its statistics in float32 and reads float32 weights as
     they are."""
-    if x.dtype in (torch.float16, torch.bfloat16) and torch.is_autocast_enabled(x.device.type):
+    if x.dtype in _HALF and torch.is_autocast_enabled(x.device.type):
         with torch.autocast(x.device.type, enabled=False):
             return layer_norm(x, weight, bias, eps)
     d = weight.size(0)
@@ -224,10 +225,11 @@ class RelativeAttention(nn.Module):
         kt = k.transpose(-1, -2).reshape(n, d_head, klen)
         if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
             return torch.bmm(qc, kt).mul_(self.scale)
-        if fresh and (bias.dim() == 3 or not torch.is_grad_enabled()):
+        merged = bias.dim() == 3  # [B H, L, K] already
+        if fresh and (merged or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
-            bias = bias if bias.dim() == 3 else bias.reshape(n, qlen, klen)
+            bias = bias if merged else bias.reshape(n, qlen, klen)
             scores = bias.baddbmm_(qc, kt, alpha=self.scale)
         else:
             bias = bias.expand(batch, heads, qlen, klen).reshape(n, qlen, klen)
@@ -302,7 +304,9 @@ class RelativeAttention(nn.Module):
         return_probs: bool = False,
     ) -> tuple[Tensor, Mapping[str, Tensor]]:
         """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions), for
-        every L: a training or evaluation segment, a prompt's segment or one decoded token.
+        every L: a training or evaluation segment, a prompt's segment or one decoded token;
+        over a cache also rows [B, D], one query per row (a decoding step's residual stream,
+        taken and returned as it is).
 
         mask: True (or 0.0) where attention is allowed, [L, K] or [B, 1, L, K]; float masks
             are additive (0 / -inf). None: every key is visible.
@@ -316,7 +320,7 @@ class RelativeAttention(nn.Module):
             parameters. A one-row query traced by torch.compile (``cache.fused``) writes its
             products as reductions (``matmul``), which the compiler fuses with the cache
             write, mask, softmax, residual and LayerNorm (ARCHITECTURE.md, C35).
-        Returns (output [B, L, D], extras) with "probs" [B, H, L, K] on request.
+        Returns (output shaped as h, extras) with "probs" [B, H, L, K] on request.
         """
         w = weights
         if w is None:  # the position biases as [H, 1, Dh], broadcast over the queries
@@ -337,6 +341,7 @@ class RelativeAttention(nn.Module):
             if pos is not None:  # R [K+1, D] rows or distances [K+1]: for masked pairs only
                 pos = F.pad(pos, (0, 0, front, back) if pos.dim() == 2 else (front, back))
         q, k, val = self._project(x, mem, cache, front, w, rows)
+        batch, qlen = q.size(0), q.size(2)
 
         if cache is not None:
             rk = cache.table(self.layer)  # held in the cache's dtype
@@ -354,7 +359,7 @@ class RelativeAttention(nn.Module):
 
             qp = q if v is None else q + v  # position terms (b) + (d)
             attn = triton_attention.relative_attention(qc, qp, k, val, rk, mask, self.scale)
-        elif self.attn_impl == "sdpa" and self._use_sdpa(q, rk, return_probs):
+        elif qlen > 1 and self.attn_impl == "sdpa" and self._use_sdpa(q, rk, return_probs):
             p_drop = self.dropatt if self.training else 0.0
             if bias is not None:
                 if bias.dim() == 3:
@@ -369,7 +374,7 @@ class RelativeAttention(nn.Module):
             scores = self._scores(_as(qc, k.dtype), k, bias, fresh, rows)
             if cache is not None and cache.hidden is not None:  # an eager step's one slot
                 scores.select(-1, cache.hidden).fill_(float("-inf"))
-            if scores.dtype == torch.float32 or scores.dtype == torch.float64:
+            if scores.dtype not in _HALF:
                 probs = torch.softmax(scores, dim=-1)
             else:  # half precision is normalised in float32
                 probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(val.dtype)
@@ -384,7 +389,6 @@ class RelativeAttention(nn.Module):
         # the heads' outputs as rows [B L, H Dh], for one 2-D product (functional calls: the
         # modules' operations without a module call each); one query per row is in that
         # order already
-        batch, qlen = h.shape[:2]
         if qlen == 1:
             attn = attn.reshape(batch, -1)
         else:
@@ -395,7 +399,8 @@ class RelativeAttention(nn.Module):
             out = matmul(_as(attn, w.out_t.dtype), w.out_t, True)
         else:  # a decoder's weights
             out = torch.mm(_as(attn, w.out_t.dtype), w.out_t)
-        out = out.view_as(h)
+        if h.dim() == 3:
+            out = out.view_as(h)
         if self.training:
             out = dropout(out, self.drop.p, True)
         return h + out if self.pre_lnorm else layer_norm(h + out, *norm), extras
@@ -430,13 +435,15 @@ class RelativeAttention(nn.Module):
         Over a cache the keys and values are its slots, this segment's written into them.
         """
         inner = self.n_head * self.d_head
-        batch, qlen = x.shape[:2]
+        flat = x.dim() == 2  # rows [B, D]: one query per row over a cache
+        batch, qlen = (x.size(0), 1) if flat else x.shape[:2]
         if w is None:
             qkv = F.linear(x, self.qkv.weight)
         elif rows:
             qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, True)
         else:  # one 2-D product on the B L rows (no 3-D matmul's reshapes)
-            qkv = torch.mm(_as(x.reshape(batch * qlen, -1), w.qkv_t.dtype), w.qkv_t)
+            x = x if flat else x.reshape(batch * qlen, -1)
+            qkv = torch.mm(_as(x, w.qkv_t.dtype), w.qkv_t)
         if cache is not None:  # [B, L, 3I] -> [3, B, H, L, Dh]: one write for k and v
             qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
             k, val = cache.write(self.layer, qkv[1:])
@@ -505,7 +512,8 @@ class PositionwiseFF(nn.Module):
         # on rows [B L, D]: a 2-D input with a bias is one addmm per layer (addmm(b, x, W^T)
         # is what F.linear runs for one), where torch may run a 3-D one as a product and a
         # separate pass to add the bias
-        rows_in = h.reshape(-1, h.size(-1))
+        flat = h.dim() == 2  # rows already (a decoding step's residual stream)
+        rows_in = h if flat else h.reshape(-1, h.size(-1))
         x = layer_norm(rows_in, *norm) if self.pre_lnorm else rows_in
         x = _as(x, w1.dtype)
         if rows:
@@ -517,4 +525,5 @@ class PositionwiseFF(nn.Module):
         else:
             out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
         out = rows_in + out
-        return (out if self.pre_lnorm else layer_norm(out, *norm)).view_as(h)
+        out = out if self.pre_lnorm else layer_norm(out, *norm)
+        return out if flat else out.view_as(h)

@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         weights: StepWeights | None = None,
         return_probs: bool = False,
     ) -> tuple[Tensor, Mapping[str, Tensor]]:
-        """h [B, L, D] -> ([B, L, D], attention extras); ``cache``, ``weights``,
-        ``return_probs``: see RelativeAttention.forward."""
+        """h [B, L, D] (over a cache also rows [B, D]) -> (the same shape, attention extras);
+        ``cache``, ``weights``, ``return_probs``: see RelativeAttention.forward."""
         # the sub-layers' forward itself, not a module call each: a decoding step makes
         # a few hundred calls, and these would be two of them per layer (hooks go on the layer)
         out, extras = self.attn.forward(h, mem, mask, pos, u, v, cache=cache, weights=weights,
@@ -291,6 +291,11 @@ class TransformerXL(nn.Module):
             raise TypeError(f"unknown attention options {sorted(set(kwargs) - {'return_probs'})}")
         return_probs = bool(kwargs.get("return_probs", False))
 
+        # one query per row over a cache (a decoding step): the residual stream as rows
+        # [B, D] through the layers, which take it as it is (no reshape per sub-layer)
+        flat = step is not None and qlen == 1 and mems is None
+        if flat:
+            h = h.view(h.size(0), -1)
         hiddens = []  # each layer's input: the next memory
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
@@ -310,6 +315,8 @@ class TransformerXL(nn.Module):
             )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
+        if flat:
+            h = h.unsqueeze(1)
         if self.training:
             h = dropout(h, self.drop.p, True)
         if cache is not None:
