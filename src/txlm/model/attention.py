@@ -218,23 +218,17 @@ class RelativeAttention(nn.Module):
         if rows:
             scores = matmul(qc, k.transpose(-1, -2), True) * self.scale
             return scores if bias is None else scores + bias
-        batch, heads, qlen, d_head = qc.shape
-        klen = k.size(2)
-        n = batch * heads
-        qc = qc.reshape(n, qlen, d_head)
-        kt = k.transpose(-1, -2).reshape(n, d_head, klen)
+        qc, kt = qc.flatten(0, 1), k.transpose(-1, -2).flatten(0, 1)  # [B H, L, Dh], [B H, Dh, K]
         if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
             return torch.bmm(qc, kt).mul_(self.scale)
         merged = bias.dim() == 3  # [B H, L, K] already
         if fresh and (merged or not torch.is_grad_enabled()):
             # backward needs qc and kt only; a 3-D bias is used as it is (even a same-shape
             # view would make autograd copy it for the in-place op)
-            bias = bias if merged else bias.reshape(n, qlen, klen)
-            scores = bias.baddbmm_(qc, kt, alpha=self.scale)
-        else:
-            bias = bias.expand(batch, heads, qlen, klen).reshape(n, qlen, klen)
-            scores = torch.baddbmm(bias, qc, kt, alpha=self.scale)
-        return scores
+            bias = bias if merged else bias.flatten(0, 1)
+            return bias.baddbmm_(qc, kt, alpha=self.scale)
+        bias = bias.expand(*k.shape[:2], qc.size(1), kt.size(2)).flatten(0, 1)
+        return torch.baddbmm(bias, qc, kt, alpha=self.scale)
 
     def _bias(
         self,
@@ -256,9 +250,9 @@ class RelativeAttention(nn.Module):
         query, see ``_scores``): the cache's keys are gathered per slot first, so that the
         gather is an indexed load inside the product's reduction.
         """
-        dtype = q.dtype if rk is None else rk.dtype
         mask_bias = None
         if mask is not None:
+            dtype = q.dtype if rk is None else rk.dtype
             mask_bias = _as(mask, dtype) if mask.is_floating_point() else additive_mask(mask, dtype)
         if rk is None:
             return mask_bias, False
@@ -434,7 +428,6 @@ class RelativeAttention(nn.Module):
         backward computes no input gradient for its M rows (2 B M D 2I FLOPs per layer).
         Over a cache the keys and values are its slots, this segment's written into them.
         """
-        inner = self.n_head * self.d_head
         flat = x.dim() == 2  # rows [B, D]: one query per row over a cache
         batch, qlen = (x.size(0), 1) if flat else x.shape[:2]
         if w is None:
@@ -448,6 +441,7 @@ class RelativeAttention(nn.Module):
             qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
             k, val = cache.write(self.layer, qkv[1:])
             return _as(qkv[0], k.dtype), k, val  # attention runs in the cache's dtype
+        inner = self.n_head * self.d_head
         q, kv = qkv.view(batch, qlen, -1).split_with_sizes([inner, 2 * inner], dim=-1)
         q = self._heads(q)
         parts = [kv]
