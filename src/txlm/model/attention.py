@@ -353,7 +353,7 @@ class RelativeAttention(nn.Module):
 
             qp = q if v is None else q + v  # position terms (b) + (d)
             attn = triton_attention.relative_attention(qc, qp, k, val, rk, mask, self.scale)
-        elif qlen > 1 and self.attn_impl == "sdpa" and self._use_sdpa(q, rk, return_probs):
+        elif self.attn_impl == "sdpa" and self._use_sdpa(q, rk, return_probs):
             p_drop = self.dropatt if self.training else 0.0
             if bias is not None:
                 if bias.dim() == 3:
@@ -478,7 +478,7 @@ class RelativeAttention(nn.Module):
         bias_needs_grad = (
             rk is not None and torch.is_grad_enabled() and (q.requires_grad or rk.requires_grad)
         )
-        return not bias_needs_grad and q.size(2) > 1
+        return not bias_needs_grad
 
 
 class PositionwiseFF(nn.Module):
