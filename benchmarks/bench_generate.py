@@ -1,6 +1,7 @@
 """Generation speed: txlm cached vs txlm uncached vs transformers 4.37.2 TransfoXL ``generate``.
 
-Same weights (a random Hugging Face model converted with ``txlm.convert``, parity checked
+Same weights (a random Hugging Face model converted with ``txlm.checkpoints.convert``, parity
+checked
 before timing), same prompt, same number of new tokens, top-k 40 sampling, one process, rounds
 interleaved (HF, cached, uncached, HF, ...) so load on the machine hits all three alike.
 
@@ -41,11 +42,11 @@ from pathlib import Path
 import torch
 
 from txlm import atomic
-from txlm.convert import hf_config_to_model_config, load_hf_state_dict
-from txlm.decode import Decoder
-from txlm.generate import generate as txlm_generate
+from txlm.checkpoints.convert import hf_config_to_model_config, load_hf_state_dict
+from txlm.inference.decode import Decoder
+from txlm.inference.generate import generate as txlm_generate
+from txlm.inference.sampling import SamplingConfig
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/generate.json updates the committed one
@@ -70,7 +71,8 @@ SHAPES = {
 }  # fmt: skip
 
 
-# -- weights: a random Hugging Face TransfoXL, converted with txlm.convert -------------------
+# -- weights: a random Hugging Face TransfoXL, converted with txlm.checkpoints.convert
+# -------------------
 def hf_model(shape: dict):
     from transformers import TransfoXLConfig, TransfoXLLMHeadModel
 
@@ -94,7 +96,7 @@ def hf_model(shape: dict):
 
 
 def convert(hf) -> TransformerXL:
-    """The same weights as a txlm model (txlm.convert's name map, strict both ways)."""
+    """The same weights as a txlm model (txlm.checkpoints.convert's name map, strict both ways)."""
     config = hf_config_to_model_config(hf.config.to_dict())
     return load_hf_state_dict(hf.state_dict(), config).eval()
 

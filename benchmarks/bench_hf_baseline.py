@@ -6,7 +6,8 @@ The project's CPU anchor config: 4 layers, d_model 256, 8 heads x 32, d_inner 10
 over a 10,000-word vocabulary (no cutoffs: the PTB-sized vocabulary, where the softmax is
 ~40% of the FLOPs), batch 8 x tgt_len 128, mem_len 128, fp32, dropout 0.1, dropatt 0.
 
-A random HF model is saved and converted with ``txlm.convert``, so both models start from
+A random HF model is saved and converted with ``txlm.checkpoints.convert``, so both models start
+from
 identical weights. Both then run interleaved in this process, in alternating order each
 round, with memory carried across steps (full 128-position memory from the first timed step):
 - train: forward + backward + Adam step (lr 2.5e-4), train mode (dropout on);
@@ -37,7 +38,7 @@ import torch
 
 import txlm
 from txlm.atomic import write_json
-from txlm.convert import convert_hf
+from txlm.checkpoints.convert import convert_hf
 
 SHAPE = dict(
     vocab_size=10000,

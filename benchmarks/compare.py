@@ -11,8 +11,8 @@ What is measured, per config and dtype (bf16 = CPU autocast for both libraries):
             memory already full, carried from segment to segment;
 - generate  greedy decoding of one row, one token at a time with long memory (mem_len 512,
             a 512-token context read first, not timed, so the memory is full). txlm uses
-            its cached decoder (txlm.decode.Decoder).
-- eval with txlm_kv: the same evaluation through txlm.model.kv_eval.CachedEvaluator.
+            its cached decoder (txlm.inference.decode.Decoder).
+- eval with txlm_kv: the same evaluation through txlm.inference.kv_eval.CachedEvaluator.
 Every workload alternates between the two libraries round by round (order flipped each
 round) and reports medians over rounds: the machine is shared and noisy, so only figures
 taken side by side are compared. The fp32 matmul peak (2048^3, same threads) is measured in
@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import txlm
-from txlm.convert import hf_config_to_model_config, load_hf_state_dict
+from txlm.checkpoints.convert import hf_config_to_model_config, load_hf_state_dict
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel
@@ -64,13 +64,14 @@ except ImportError:  # a revision before txlm.atomic (profile_step.py counts old
     from txlm.data.vocab import write_text_atomic as write_text
 
 try:
-    from txlm.decode import Decoder
-except ImportError:  # a revision before txlm.decode.Decoder (profile_step.py counts old code)
+    from txlm.inference.decode import Decoder
+# a revision before txlm.inference.decode.Decoder (profile_step.py counts old code)
+except ImportError:
     try:
-        from txlm.decode import CachedDecoder as Decoder
+        from txlm.inference.decode import CachedDecoder as Decoder
     except ImportError:
-        from txlm.generate import CachedDecoder as Decoder
-from txlm.model.kv_eval import CachedEvaluator
+        from txlm.inference.generate import CachedDecoder as Decoder
+from txlm.inference.kv_eval import CachedEvaluator
 
 # scratch by default (under the current directory, as txlm train's runs/); --out
 # benchmarks/results/compare.json updates the committed one

@@ -17,7 +17,7 @@ step's numbers) on a generated character corpus at the same shape, and greedy de
 tokens drawn from the top 40: what a user times) on a model of bench_hf_baseline.py's shape
 (d_model 256, a 10,000-word softmax without cutoffs); ``generate_call_hf``: the same calls on
 bench_hf_baseline.py's model itself, a random transformers TransfoXL (adaptive softmax with no
-cutoffs, shared position biases) converted by each revision's ``txlm.convert``;
+cutoffs, shared position biases) converted by each revision's ``txlm.checkpoints.convert``;
 ``generate_call_samples``: the call with 4 samples of the prompt (``num_samples``). Either
 side may be a revision with lengths held in the model (``set_lengths``) or passed per call
 (``Lengths``). Writes runs/bench/compare_revisions.json (--out).
@@ -124,10 +124,12 @@ def with_mem(model, mem: int) -> dict:
 
 
 def decoder_class(mods: dict):
-    """The cached decoder of either revision: ``Decoder`` (txlm.decode), or ``CachedDecoder``
-    in txlm.decode or, older, txlm.generate; both take ``prefill(prompts)`` and ``step(ids)``."""
+    """The cached decoder of either revision: ``Decoder`` (txlm.inference.decode), or
+    ``CachedDecoder``
+    in txlm.inference.decode or, older, txlm.generate; both take ``prefill(prompts)`` and
+    ``step(ids)``."""
     modules = [mods["generate"]]
-    with contextlib.suppress(ModuleNotFoundError):  # (a revision before txlm.decode)
+    with contextlib.suppress(ModuleNotFoundError):  # (a revision before txlm.inference.decode)
         modules.insert(
             0, importlib.import_module(modules[0].__name__.replace("generate", "decode"))
         )

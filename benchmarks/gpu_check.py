@@ -71,11 +71,11 @@ from inductor_code import generated_code, kernel_counts
 from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
-from txlm.decode import Decoder
 from txlm.devices import wanted
+from txlm.inference.decode import Decoder
+from txlm.inference.kv_eval import CachedEvaluator
+from txlm.inference.sampling import SamplingConfig
 from txlm.model import align
-from txlm.model.kv_eval import CachedEvaluator
-from txlm.sampling import SamplingConfig
 from txlm.training.loop import graphs_compiled
 from txlm.training.precision import ComputeCopy
 from txlm.training.step import TailBuckets

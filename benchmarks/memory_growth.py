@@ -10,8 +10,9 @@ the first ``--warmup`` segments.
     .venv/bin/python benchmarks/memory_growth.py --anchor      # 10,000 segments, all engines
 
 Engines, each in its own child process so that its resident memory is its own:
-  - ``evaluate``: txlm.evaluate.evaluate_tokens, the library's streaming evaluation (what
-    ``txlm eval`` and validation during training run), and ``score``: txlm.score.score (one
+  - ``evaluate``: txlm.inference.evaluate.evaluate_tokens, the library's streaming evaluation (what
+    ``txlm eval`` and validation during training run), and ``score``: txlm.inference.score.score
+    (one
     row; its per-token log-probs, 4 bytes a token, grow by design and are reported apart).
     The figure is resident memory (VmRSS) sampled inside one 10,000-segment call by a
     forward hook, after the warm-up segments and at the end: what a call allocates once
@@ -160,10 +161,11 @@ def sample_inside(model: torch.nn.Module, args: argparse.Namespace, n_segments: 
 
 
 def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    """txlm.evaluate.evaluate_tokens: resident memory inside the one call, after the warm-up
+    """txlm.inference.evaluate.evaluate_tokens: resident memory inside the one call, after the
+    warm-up
     segments vs at the end (``sample_inside``). ``peak_vs_short_call`` is the call's peak
     (VmHWM) against that of a call stopped after --warmup segments over the same stream."""
-    from txlm.evaluate import evaluate_tokens
+    from txlm.inference.evaluate import evaluate_tokens
 
     model = _debug_model()
     # One stream whose B contiguous rows are exactly the rows the other engines read.
@@ -180,7 +182,7 @@ def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     hook.remove()
     base, end = samples[0][1], samples[-1][1]
     return {
-        "engine": "txlm.evaluate.evaluate_tokens",
+        "engine": "txlm.inference.evaluate.evaluate_tokens",
         "measure": "VmRSS inside the call (forward hook), after warm-up vs at the end",
         "segments": long["segments"],
         "rss_kib_after_warmup": base,
@@ -201,14 +203,15 @@ def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
 
 
 def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
-    """txlm.score.score over one row, resident memory inside the one call (``sample_inside``).
+    """txlm.inference.score.score over one row, resident memory inside the one call
+    (``sample_inside``).
 
     The per-token output (4 bytes a token, allocated once and filled as the segments are
     read) grows by design; the growth beyond it is what a leak would add.
     ``peak_vs_short_call``: the call's peak against a call over the first --warmup segments'
     text alone, which includes the up-front allocations (they grow with the text's length).
     """
-    from txlm.score import score
+    from txlm.inference.score import score
 
     model = _debug_model()
     row = tokens[0]
@@ -230,7 +233,7 @@ def stream_score(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     # the output's pages filled after the warm-up sample: by design, not a leak
     filled_kib = (out.numel() - args.warmup * args.tgt_len) * out.element_size() // 1024
     return {
-        "engine": "txlm.score.score (batch 1)",
+        "engine": "txlm.inference.score.score (batch 1)",
         "measure": "VmRSS inside the call (forward hook), after warm-up vs at the end",
         "segments": n_segments,
         "rss_kib_after_warmup": base,

@@ -124,13 +124,13 @@ def triton_kernels(model, opts: dict, prompt: list[int], sampling) -> dict:
     """Kernels a GPU runs per decoded token: the compiled step (scores, ``sampling`` None,
     or the token step with its draw) partitioned into Triton kernels (``triton_partition``),
     by kind (``kernel_counts``)."""
-    from txlm.decode import Decoder
+    from txlm.inference.decode import Decoder
 
     dec = Decoder(model, compile=True, cuda_graph=False, **opts)
     logp = dec.prefill([prompt])
     inputs: tuple = (logp.argmax(-1),)
     if sampling is not None:
-        from txlm.sampling import draw_noise
+        from txlm.inference.sampling import draw_noise
 
         inputs += (draw_noise(sampling, 1, model.config.vocab_size, None),)
     with triton_partition():
@@ -144,12 +144,12 @@ def count_ops(compiled: bool = False) -> dict:
     from txlm.config import ModelConfig
 
     try:
-        from txlm.decode import Decoder
-    except ImportError:  # a revision from before txlm.decode.Decoder
+        from txlm.inference.decode import Decoder
+    except ImportError:  # a revision from before txlm.inference.decode.Decoder
         try:
-            from txlm.decode import CachedDecoder as Decoder
-        except ImportError:  # from before txlm.decode
-            from txlm.generate import CachedDecoder as Decoder
+            from txlm.inference.decode import CachedDecoder as Decoder
+        except ImportError:  # from before txlm.inference.decode
+            from txlm.inference.generate import CachedDecoder as Decoder
 
     config = ModelConfig.from_preset(
         "wt103-base", vocab_size=32000, cutoffs=[8000, 16000], dropout=0.1, dropatt=0.0
@@ -211,7 +211,7 @@ def count_ops(compiled: bool = False) -> dict:
             traced, nests = kernel_counts(codes), loop_nests(codes)
             partition = {"scores": triton_kernels(model, opts, prompt, None)}
             if "sampling" in inspect.signature(dec._stepper).parameters:  # the draw inside
-                from txlm.sampling import SamplingConfig
+                from txlm.inference.sampling import SamplingConfig
 
                 top_k = SamplingConfig(top_k=40)
                 partition["top_k_40"] = triton_kernels(model, opts, prompt, top_k)

@@ -23,7 +23,7 @@ def tiny_lm(directory: Path, *, alphabet: str = ALPHABET, seed: int = 0, **model
     as `txlm train` saves a checkpoint: something ``--init`` accepts."""
     import torch
 
-    from txlm import checkpoint
+    from txlm.checkpoints import checkpoint
     from txlm.config import PRESETS, ModelConfig
     from txlm.data.vocab import Vocab
     from txlm.model import TransformerXL
@@ -67,9 +67,9 @@ def save_classifier(directory: Path, lm: Path, labels=("x", "y"), pooling: str =
     """A classifier (``lm``'s body, a seed-0 head) saved as the trainer saves one."""
     import torch
 
-    from txlm import checkpoint
-    from txlm.classification import checkpoint_extras
-    from txlm.classifier import Classifier, ClassifierConfig
+    from txlm.checkpoints import checkpoint
+    from txlm.classify.classifier import Classifier, ClassifierConfig
+    from txlm.classify.predict import checkpoint_extras
 
     ckpt = checkpoint.Checkpoint.open(lm)
     torch.manual_seed(0)

@@ -65,7 +65,7 @@ def build_assets(root: Path, runner: Runner) -> Path:
     """Good inputs the cases start from: a corpus, its prepared copies, a run, checkpoints."""
     import torch
 
-    from txlm.checkpoint import save
+    from txlm.checkpoints.checkpoint import save
     from txlm.config import ModelConfig
     from txlm.data import load_prepared, prepare_dataset
     from txlm.model import TransformerXL

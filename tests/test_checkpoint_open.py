@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import txlm
-from txlm.checkpoint import CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, Checkpoint, save
+from txlm.checkpoints.checkpoint import CONFIG_FILE, VOCAB_FILE, WEIGHTS_FILE, Checkpoint, save
 from txlm.config import ModelConfig
 from txlm.data import Vocab
 from txlm.errors import CheckpointError, ConfigError
@@ -175,7 +175,7 @@ def test_a_save_over_the_opened_copy_is_refused_not_mixed(tmp_path: Path, read: 
 def test_a_save_during_a_read_is_caught_after_it(tmp_path, monkeypatch, read, reader) -> None:
     """The save lands after the check before the read: the reader then reads the new copy's
     file, and the check after the read refuses what it read."""
-    import txlm.checkpoint as module
+    import txlm.checkpoints.checkpoint as module
 
     name = _save(tmp_path / "best", seed=0)
     ckpt = Checkpoint.open(name)

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from _classify_helpers import label_folders, marker_documents
-from txlm.data.classes import open_classes
-from txlm.data.documents import DocumentBatches
+from txlm.classify.classes import open_classes
+from txlm.classify.documents import DocumentBatches
 from txlm.data.vocab import Vocab
 from txlm.errors import DataError
 
@@ -108,7 +108,7 @@ def test_a_bad_dataset_is_one_data_error(tmp_path, build, needle) -> None:
 def _documents(n: int = 50, seed: int = 0):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(3, 120, size=n)
-    from txlm.data.classes import Documents
+    from txlm.classify.classes import Documents
 
     docs = [rng.integers(1, 10, size=int(k)) for k in lengths]
     return Documents(docs, rng.integers(0, 3, size=n), [f"{i}.txt" for i in range(n)])

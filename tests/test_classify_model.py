@@ -10,10 +10,10 @@ import torch
 
 import txlm
 from _classify_helpers import save_classifier, tiny_lm
-from txlm.classifier import Classifier, ClassifierConfig
-from txlm.classifier_eval import scores
+from txlm.classify.classifier import Classifier, ClassifierConfig
+from txlm.classify.documents import pad_documents
+from txlm.classify.evaluation import scores
 from txlm.config import PRESETS, ModelConfig
-from txlm.data.documents import pad_documents
 from txlm.errors import CheckpointError
 from txlm.model import TransformerXL
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 import txlm
 from conftest import TINY_HF as SMALL
 from conftest import save_tiny_hf as make_hf
+from txlm.checkpoints.convert import convert_hf, hf_config_to_model_config, hf_name_to_txlm
 from txlm.cli import main
-from txlm.convert import convert_hf, hf_config_to_model_config, hf_name_to_txlm
 from txlm.errors import CheckpointError
 
 pytest.importorskip("transformers")
@@ -234,7 +234,7 @@ def test_vocab_converted_to_json(tmp_path: Path, name: str) -> None:
     else:  # the data pipeline reads it back, fingerprint checked
         vocab = Vocab.from_json((tmp_path / "tx" / "vocab.json").read_text())
         assert vocab.encode("w3 w7\n") == [5, 9, 0]
-    meta = txlm.checkpoint.read_config(tmp_path / "tx")["converted_from"]
+    meta = txlm.checkpoints.checkpoint.read_config(tmp_path / "tx")["converted_from"]
     assert meta["vocab_file"] == name
     if name == "vocab.pkl":
         assert meta["tokenizer"]["lower_case"] is True

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from txlm.checkpoints.safe_unpickle import load_pickled_object, restricted_loads
 from txlm.errors import CheckpointError
-from txlm.safe_unpickle import load_pickled_object, restricted_loads
 
 
 class _Touch:

@@ -57,7 +57,7 @@ def test_checkpoint_carries_its_tokenizer(run):
     assert (best / "tokenizer.json").is_file() and (best / "vocab.json").is_file()
     config = json.loads((best / "config.json").read_text())
     assert config["dataset"]["metric"] == "bpb"
-    from txlm.checkpoint import load_vocab
+    from txlm.checkpoints.checkpoint import load_vocab
 
     vocab = load_vocab(best)
     assert config["vocab_fingerprint"] == vocab.fingerprint
@@ -78,7 +78,7 @@ def test_generate_from_the_checkpoint_decodes_text(run):
     )  # fmt: skip
     assert g.returncode == 0, g.stderr
     out = json.loads(g.stdout)
-    from txlm.checkpoint import load_vocab
+    from txlm.checkpoints.checkpoint import load_vocab
 
     vocab = load_vocab(root / "run/best")
     ids = vocab.encode(prompt)
@@ -105,12 +105,12 @@ def test_eval_file_reports_bits_per_byte(run):
     assert r["bpb"] == pytest.approx(r["loss"] * r["tokens"] / n_bytes / math.log(2))
     assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
     # <eos> opens the file as it opened every training document: all its tokens are scored
-    from txlm.checkpoint import load_vocab
+    from txlm.checkpoints.checkpoint import load_vocab
 
     assert r["tokens"] == len(load_vocab(root / "run/best").encode(text.read_text()))
     # The same number through txlm.score with the checkpoint's model and vocabulary.
     from txlm import load
-    from txlm.score import score
+    from txlm.inference.score import score
 
     model, vocab = load(root / "run/best"), load_vocab(root / "run/best")
     ids = torch.tensor([vocab.eos_id, *vocab.encode(text.read_text())])

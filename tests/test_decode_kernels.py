@@ -32,7 +32,7 @@ import torch
 
 import txlm
 from txlm.config import ModelConfig
-from txlm.decode import Decoder
+from txlm.inference.decode import Decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from inductor_code import compiled_code, kernel_counts, loop_nests, triton_partition

@@ -23,9 +23,9 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import Decoder
+from txlm.inference.decode import Decoder
+from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, clusters_needed, draw_noise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from inductor_code import compiled_code, kernel_counts, triton_partition

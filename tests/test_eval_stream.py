@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.evaluate import evaluate_tokens, metric_value, stream_rows
+from txlm.inference.evaluate import evaluate_tokens, metric_value, stream_rows
 from txlm.model import TransformerXL
 
 
@@ -77,7 +77,7 @@ def test_max_steps_and_metric_and_training_flag():
 
 
 def test_stream_segments_cover_the_stream_once_and_change_nothing_between_segments():
-    from txlm.evaluate import stream_segments
+    from txlm.inference.evaluate import stream_segments
 
     model = _model(mem_len=16)
     model.train()

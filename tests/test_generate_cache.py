@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from conftest import debug_model
-from txlm.decode import Decoder
-from txlm.generate import generate
+from txlm.inference.decode import Decoder
+from txlm.inference.generate import generate
+from txlm.inference.sampling import SamplingConfig
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig
 
 ATOL = 1e-5
 

@@ -20,10 +20,10 @@ from conftest import spread_weights
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
-from txlm.generate import stream
+from txlm.inference.generate import stream
+from txlm.inference.sampling import SamplingConfig
+from txlm.inference.score import score, score_file
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig
-from txlm.score import score, score_file
 
 data = pytest.importorskip("txlm.data", reason="needs the data package (branch data)")
 Vocab = data.Vocab
@@ -98,7 +98,7 @@ def test_bad_inputs_exit_2(char_ckpt, strict_ckpt, tmp_path, capsys) -> None:
 def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys, monkeypatch) -> None:
     """--precision bf16 runs the decoder under autocast (its weight products in bf16); greedy
     text starts as fp32's does (bf16 rounding may flip a near-tie later: a prefix only)."""
-    from txlm.decode import Decoder
+    from txlm.inference.decode import Decoder
 
     prepared: list[torch.dtype] = []
     original = Decoder.__init__
@@ -295,7 +295,7 @@ def test_end_of_training_sample_reads_prompts_as_the_cli(word_ckpt, capsys, prom
     """txlm.training.sample_text (the sample printed when training ends) and `txlm generate`
     read a word-level prompt alike (no <eos> after an unfinished line; an empty prompt starts
     from <eos>): the same seed gives the same ids."""
-    from txlm.prompts import encode_prompt
+    from txlm.inference.prompts import encode_prompt
     from txlm.training import sample_text
 
     model, vocab = txlm.load(word_ckpt), Vocab.load(word_ckpt / "vocab.json")

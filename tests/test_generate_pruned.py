@@ -3,7 +3,8 @@
 For greedy, top-k (with and without top-p, at several temperatures) and plain sampling, the
 same generator state must give the same token whether the next-token distribution is built
 over the whole vocabulary (``sample(softmax.log_prob(h))``) or only over the clusters that can
-hold the draw (``softmax.log_prob(h, need)``, ``need`` from txlm.sampling.clusters_needed):
+hold the draw (``softmax.log_prob(h, need)``, ``need`` from
+txlm.inference.sampling.clusters_needed):
 thousands of draws, in small batches so that clusters are really skipped, every cluster drawn
 from.
 """
@@ -15,9 +16,9 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
+from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
 from txlm.model import TransformerXL
 from txlm.model.adaptive import AdaptiveLogSoftmax
-from txlm.sampling import SamplingConfig, clusters_needed, draw_noise, sample
 
 CUTOFFS = [8, 24, 40]  # a shortlist of 8 and three tail clusters of 16, 16 and 24 tokens
 BOUNDS = list(zip([0, *CUTOFFS], [*CUTOFFS, 64], strict=True))
@@ -125,8 +126,8 @@ def test_settings_it_cannot_prune_draw_from_the_full_distribution() -> None:
 def test_generation_of_an_adaptive_model_draws_through_the_pruned_head(monkeypatch) -> None:
     """``txlm.generate`` on a CPU decodes an adaptive model through the pruned softmax: the same
     tokens as the reference decoder, which draws from the full distribution."""
-    from txlm import decode
-    from txlm.generate import generate
+    from txlm.inference import decode
+    from txlm.inference.generate import generate
 
     config = ModelConfig.from_preset(
         "debug", vocab_size=64, cutoffs=CUTOFFS, div_val=2, tgt_len=8, mem_len=16

@@ -14,10 +14,10 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import Decoder
-from txlm.generate import generate
+from txlm.inference.decode import Decoder
+from txlm.inference.generate import generate
+from txlm.inference.sampling import SamplingConfig
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig
 
 PROMPTS = [[5, 9, 2, 7, 1, 3, 3, 8, 4, 6, 2], [11, 4], [7, 7, 1, 2, 9]]  # 11 > tgt_len 8
 

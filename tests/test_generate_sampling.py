@@ -9,9 +9,9 @@ import torch
 
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
-from txlm.generate import generate
+from txlm.inference.generate import generate
+from txlm.inference.sampling import SamplingConfig, filter_log_probs, sample
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, filter_log_probs, sample
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])  # order by mass: 1, 3, 2, 0
 LOGP = PROBS.log()
@@ -154,7 +154,7 @@ def test_out_of_range_ids_are_refused() -> None:
 )
 def test_top_k_candidates_are_the_filtered_distribution(config: SamplingConfig) -> None:
     """The fast draw over k candidates uses exactly filter_log_probs' distribution."""
-    from txlm.sampling import top_k_candidates
+    from txlm.inference.sampling import top_k_candidates
 
     scores = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 3
     top = top_k_candidates(scores, config)
@@ -172,7 +172,7 @@ def test_top_k_candidates_are_the_filtered_distribution(config: SamplingConfig) 
 def test_top_k_keeps_exactly_k_even_on_a_tie() -> None:
     """A tie at the k-th score is broken by ``topk``'s order (deciding it on the host would
     cost a synchronisation per token); the full-vocabulary rule keeps the same k tokens."""
-    from txlm.sampling import top_k_candidates
+    from txlm.inference.sampling import top_k_candidates
 
     scores = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])  # top-2: 3 and a tie at 2
     config = SamplingConfig(top_k=2)
@@ -186,7 +186,7 @@ def test_top_k_keeps_exactly_k_even_on_a_tie() -> None:
 
 def test_the_draw_is_multinomials_for_the_same_generator_state() -> None:
     """The top-k draw skips torch.multinomial's input checks but not its arithmetic."""
-    from txlm.sampling import draw
+    from txlm.inference.sampling import draw
 
     probs = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).softmax(-1)
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)

@@ -17,9 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.decode import Decoder
+from txlm.inference.decode import Decoder
+from txlm.inference.sampling import SamplingConfig, sample
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, sample
 
 STEPS = 600
 
@@ -98,7 +98,7 @@ def test_no_host_sync_inside_a_step_or_a_draw(overrides) -> None:
 def test_compiled_cached_evaluation_equals_the_forward() -> None:
     """``txlm eval --kv-cache --compile``'s runner: the compiled transform with the cache
     gives the model's losses segment after segment (same shapes: one graph after the first)."""
-    from txlm.model.kv_eval import CachedEvaluator
+    from txlm.inference.kv_eval import CachedEvaluator
 
     torch._dynamo.reset()
     model = tiny_model()
@@ -117,7 +117,7 @@ def test_compiled_cached_evaluation_equals_the_forward() -> None:
 def test_evaluate_compile_option_gives_the_same_loss(kv_cache, monkeypatch) -> None:
     """``evaluate_tokens(compile=True)`` (``txlm eval --compile``) compiles and agrees; the
     backend is swapped for "aot_eager" (the same tracing, no code generation)."""
-    from txlm.evaluate import evaluate_tokens
+    from txlm.inference.evaluate import evaluate_tokens
 
     real_compile = torch.compile
     calls = []

@@ -1,6 +1,7 @@
 """top-k with k equal to or above the vocabulary size cuts nothing: one token per row, the
 token plain sampling (no top-k) draws from the same generator state, through
-``txlm.sampling.sample``, the pruned adaptive softmax (``clusters_needed``) and the decoder
+``txlm.inference.sampling.sample``, the pruned adaptive softmax (``clusters_needed``) and the
+decoder
 (``txlm.generate``, eager and compiled)."""
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ import torch
 
 from conftest import spread_weights
 from txlm.config import ModelConfig
-from txlm.generate import generate
+from txlm.inference.generate import generate
+from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, noise_shape, sample
 from txlm.model import TransformerXL
-from txlm.sampling import SamplingConfig, clusters_needed, draw_noise, noise_shape, sample
 
 V = 64
 KS = [V, V + 1, 1000]

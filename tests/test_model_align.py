@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from txlm.config import ModelConfig
-from txlm.decode import Decoder
+from txlm.inference.decode import Decoder
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
 
@@ -182,7 +182,7 @@ def test_trainer_with_padded_heads_trains_the_same_and_saves_real_shapes(tmp_pat
     ``last`` continues where it stopped, and ``txlm.load`` pads on request."""
     from safetensors.torch import load_file
 
-    from txlm import checkpoint
+    from txlm.checkpoints import checkpoint
 
     plain = _train(tmp_path, "plain", "run.align_heads=false")
     padded = _train(tmp_path, "padded", "run.align_heads=true")
@@ -328,7 +328,7 @@ def test_trainer_with_padded_widths_resumes_across_paddings(tmp_path):
 def test_a_classifier_on_a_padded_body_classifies_as_on_the_unpadded_one(pooling) -> None:
     """The body's hidden states stored with 32 dims (d_model 30): the classifier pools the
     real ones, so the same log-probabilities; its optimizer state finds the body's padding."""
-    from txlm.classifier import Classifier, ClassifierConfig
+    from txlm.classify.classifier import Classifier, ClassifierConfig
 
     plain_body, padded_body = width_pair()
     config = ClassifierConfig(("a", "b", "c"), pooling=pooling)

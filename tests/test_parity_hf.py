@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import txlm
-from txlm.convert import convert_hf
+from txlm.checkpoints.convert import convert_hf
 
 transformers = pytest.importorskip("transformers")
 from transformers import TransfoXLConfig, TransfoXLLMHeadModel  # noqa: E402

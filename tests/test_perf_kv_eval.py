@@ -1,4 +1,4 @@
-"""The cached-K/V evaluation path (txlm.model.kv_eval) equals the model's own forward.
+"""The cached-K/V evaluation path (txlm.inference.kv_eval) equals the model's own forward.
 
 Float64, several segments so the cache is reused and trimmed (mem_len smaller and larger
 than the segment), for every encoding and with per-row and per-token document resets.
@@ -13,8 +13,8 @@ import torch
 
 from conftest import debug_model
 from txlm.config import ModelConfig
+from txlm.inference.kv_eval import CachedEvaluator
 from txlm.model import TransformerXL
-from txlm.model.kv_eval import CachedEvaluator
 
 ATOL = 1e-10
 B, L, SEGMENTS = 3, 8, 4

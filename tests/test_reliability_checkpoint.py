@@ -1,4 +1,4 @@
-"""Hostile and broken checkpoints given to ``txlm.checkpoint.load``.
+"""Hostile and broken checkpoints given to ``txlm.checkpoints.checkpoint.load``.
 
 Every case starts from a good checkpoint of the debug model, breaks one thing, and asserts a
 ``CheckpointError`` whose message names the problem (and the file), never another exception
@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 import txlm
 from reliability_helpers import evil_os_system_pickle, evil_pickle, evil_torch_zip, snapshot
 from txlm import atomic
-from txlm.checkpoint import (
+from txlm.checkpoints.checkpoint import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     load,
@@ -372,7 +372,7 @@ def test_failed_save_keeps_old_checkpoint(ckpt: Path) -> None:
 
 def test_save_to_full_disk_keeps_old_checkpoint(ckpt: Path, monkeypatch) -> None:
     """The weights write itself fails with ENOSPC (simulated: we cannot fill a real disk)."""
-    import txlm.checkpoint as ck
+    import txlm.checkpoints.checkpoint as ck
 
     before = snapshot(ckpt.parent)
 
@@ -530,7 +530,7 @@ def test_interrupt_between_the_renames_puts_the_old_copy_back(tmp_path: Path) ->
 
 
 def test_ensure_writable_creates_and_probes(tmp_path: Path) -> None:
-    from txlm.checkpoint import ensure_writable
+    from txlm.checkpoints.checkpoint import ensure_writable
 
     out = ensure_writable(tmp_path / "a" / "b", need_bytes=1)
     assert out.is_dir() and list(out.iterdir()) == []  # the probe is gone
@@ -538,7 +538,7 @@ def test_ensure_writable_creates_and_probes(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("where", ["under-a-file", "read-only-fs"])
 def test_ensure_writable_refuses_unwritable(tmp_path: Path, where: str) -> None:
-    from txlm.checkpoint import ensure_writable
+    from txlm.checkpoints.checkpoint import ensure_writable
 
     if where == "under-a-file":
         (tmp_path / "blocker").write_text("x")
@@ -553,7 +553,7 @@ def test_ensure_writable_refuses_unwritable(tmp_path: Path, where: str) -> None:
 
 
 def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
-    import txlm.checkpoint as ck
+    import txlm.checkpoints.checkpoint as ck
 
     class Usage:
         total, used, free = 10**9, 10**9 - 1000, 1000
@@ -568,7 +568,7 @@ def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypatch) -> None:
-    import txlm.checkpoint as ck
+    import txlm.checkpoints.checkpoint as ck
     from txlm.training import Trainer
     from txlm.training.config import resolve as resolve_config
 

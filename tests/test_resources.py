@@ -288,7 +288,7 @@ def test_out_of_memory_in_training_keeps_the_last_good_checkpoint(tmp_path: Path
     checkpoint written at step 2 is whole and the run resumes from it."""
     import json
 
-    from txlm import checkpoint
+    from txlm.checkpoints import checkpoint
 
     (tmp_path / "oom.py").write_text(OOM_AT_STEP_3)
     text = tiny_text(tmp_path, n_chars=6000)

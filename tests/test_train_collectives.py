@@ -3,7 +3,7 @@ on the training device (NCCL rejects host tensors), and on GPUs the process grou
 gloo for what stays on the host.
 
 The trainer is built on the CPU, then told its device is ``meta`` (a stand-in for
-``cuda:N``); the reduction helpers of ``txlm.distributed`` are replaced by recorders that
+``cuda:N``); the reduction helpers of ``txlm.training.distributed`` are replaced by recorders that
 note each tensor's device and answer as one process would. A scalar built on the host (the
 old ``.cpu()`` of the token count and loss, a flag made with ``torch.tensor([...])``) shows
 up as a ``cpu`` tensor.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from _train_helpers import tiny_config
-from txlm import distributed as dist
+from txlm.training import distributed as dist
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ def test_buffers_are_not_broadcast_under_either_name(monkeypatch, has_new_name):
     device machines, has no other). Checked against stand-ins of both signatures."""
     import torch.nn.parallel
 
-    from txlm import distributed
+    from txlm.training import distributed
 
     seen: dict = {}
 

@@ -288,7 +288,7 @@ def test_frozen_parameters_stay_the_checkpoints_and_hold_no_adam_state(char_base
     for key in base:  # copied, never stepped: the very values
         assert torch.equal(base[key], tuned[key]) == (key in frozen), key
     # Adam's state exists for the trained parameters only
-    from txlm.checkpoint import Checkpoint
+    from txlm.checkpoints.checkpoint import Checkpoint
     from txlm.model import TransformerXL
 
     with torch.device("meta"):

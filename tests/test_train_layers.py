@@ -7,7 +7,12 @@ from __future__ import annotations
 from test_imports import import_graph
 
 LOOP = "txlm.training.loop"
-PERSISTENCE = ("txlm.checkpoint", "txlm.safe_unpickle", "txlm.convert", "txlm.hub")
+PERSISTENCE = (
+    "txlm.checkpoints.checkpoint",
+    "txlm.checkpoints.safe_unpickle",
+    "txlm.checkpoints.convert",
+    "txlm.checkpoints.hub",
+)
 
 
 def _reaches(graph: dict[str, set[str]], start: str, goal: str) -> bool:

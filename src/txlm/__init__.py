@@ -10,14 +10,14 @@ clf = txlm.load_classifier("runs/genre/best")  # `txlm train --task classify` wr
 txlm.classify(clf, "To be, or not to be").label
 """
 
-from txlm.checkpoint import load, load_vocab, save
-from txlm.classification import classify, load_classifier
+from txlm.checkpoints.checkpoint import load, load_vocab, save
+from txlm.classify.predict import classify, load_classifier
 from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
-from txlm.generate import generate
+from txlm.inference.generate import generate
+from txlm.inference.score import score
 from txlm.model import TransformerXL, TransformerXLOutput
 from txlm.model.lengths import Lengths
-from txlm.score import score
 
 __version__ = "0.1.0"
 

@@ -31,7 +31,7 @@ configuration ``variant_config`` builds: Adam, linear warm-up over the first 5% 
 cosine to 0, clip 0.25 (the paper's optimiser), and ``optim.loss=half`` for the half-loss
 rows. The group sees the same batches in the same order (one seed, one stream layout), and
 ``txlm train --config`` with a variant's configuration reproduces its run step for step.
-Evaluation is ``txlm.evaluate.evaluate_tokens``.
+Evaluation is ``txlm.inference.evaluate.evaluate_tokens``.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 from txlm.config import PRESETS, ModelConfig
 from txlm.data import open_corpus
 from txlm.errors import ConfigError
-from txlm.evaluate import evaluate_tokens
+from txlm.inference.evaluate import evaluate_tokens
 from txlm.training import Trainer
 from txlm.training.config import TrainConfig
 from txlm.training.metrics import METRICS_FILE

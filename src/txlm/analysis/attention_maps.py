@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.errors import ConfigError
-from txlm.evaluate import stream_segments
+from txlm.inference.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.attention import rel_shift
 from txlm.model.lengths import Lengths

@@ -8,7 +8,8 @@ without recurrence, the vanilla absolute-position model) plus the memory counter
 absolute-position variant that lacks one is trained on the same task with the same trainer
 as ``txlm train`` (``txlm.training.Trainer``), preset ``recall`` with the variant's encoding and
 memory. Then each model reads the valid split with the ordinary streaming evaluation
-(``txlm.evaluate.stream_segments``; segments of L, memory carried) at m = M, 2M and 4M (once,
+(``txlm.inference.evaluate.stream_segments``; segments of L, memory carried) at m = M, 2M and 4M
+(once,
 m = 0, without recurrence), and every copy token is scored: its loss, and whether the argmax
 prediction is right. Copies are bucketed by d in half-octaves.
 
@@ -39,11 +40,11 @@ import numpy as np
 import torch
 
 from txlm.analysis.ablation import Variant, variants
-from txlm.checkpoint import load
+from txlm.checkpoints.checkpoint import load
 from txlm.data import open_corpus
 from txlm.data.recall import copy_distances
 from txlm.errors import ConfigError
-from txlm.evaluate import stream_segments
+from txlm.inference.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
 from txlm.training import Trainer

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
 from txlm.model.modes import evaluating

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from txlm.errors import ConfigError
-from txlm.evaluate import stream_segments
+from txlm.inference.evaluate import stream_segments
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating

@@ -33,8 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
-    from txlm.classification import load_classifier, predict
-    from txlm.data.classes import read_document
+    from txlm.classify.classes import read_document
+    from txlm.classify.predict import load_classifier, predict
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError, ConfigError
 

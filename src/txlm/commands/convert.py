@@ -42,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from txlm.convert import convert_hf
-    from txlm.hub import local_or_hub
+    from txlm.checkpoints.convert import convert_hf
+    from txlm.checkpoints.hub import local_or_hub
 
     out: Path = args.out
     if out.exists() and not args.force:

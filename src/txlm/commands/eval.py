@@ -77,10 +77,10 @@ def run(args: argparse.Namespace) -> int:
         return eval_file.run(args)
 
     from txlm import resources
-    from txlm.checkpoint import Checkpoint
+    from txlm.checkpoints.checkpoint import Checkpoint
     from txlm.data import open_corpus
     from txlm.errors import CheckpointError
-    from txlm.evaluate import evaluate_tokens
+    from txlm.inference.evaluate import evaluate_tokens
 
     _positive("tgt-len", args.tgt_len)
     _positive("mem-len", args.mem_len, 0)

@@ -16,9 +16,9 @@ _LM_ONLY = ("tgt_len", "mem_len", "clamp_len", "same_length", "max_steps")
 def run(args: argparse.Namespace, saved: dict) -> int:
     import torch
 
-    from txlm.classification import load_classifier
-    from txlm.classifier_eval import evaluate_documents, report
-    from txlm.data.classes import open_classes
+    from txlm.classify.classes import open_classes
+    from txlm.classify.evaluation import evaluate_documents, report
+    from txlm.classify.predict import load_classifier
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError
 

@@ -21,7 +21,7 @@ from txlm.devices import resolve_device
 from txlm.errors import ConfigError
 
 if TYPE_CHECKING:
-    from txlm.checkpoint import Checkpoint
+    from txlm.checkpoints.checkpoint import Checkpoint
     from txlm.model.lengths import Lengths
 
 
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from txlm.checkpoint import Checkpoint
-    from txlm.score import score_file
+    from txlm.checkpoints.checkpoint import Checkpoint
+    from txlm.inference.score import score_file
 
     for name, minimum in (("tgt_len", 1), ("mem_len", 0)):
         value = getattr(args, name, None)
@@ -70,7 +70,7 @@ def _check_memory(
 ) -> None:
     """Before loading: refuse a text, memory or segment that cannot fit (txlm.resources)."""
     from txlm import resources
-    from txlm.checkpoint import WEIGHTS_FILE
+    from txlm.checkpoints.checkpoint import WEIGHTS_FILE
 
     if args.file.exists() and not args.file.is_file():
         # a device or a pipe may never end, and the file is read whole

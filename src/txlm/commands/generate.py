@@ -18,15 +18,15 @@ from typing import Any
 
 import torch
 
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
+from txlm.checkpoints.convert import normalize_text, text_options
 from txlm.commands.options import add_device_options, apply_threads
-from txlm.convert import normalize_text, text_options
 from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
-from txlm.evaluate import autocast
-from txlm.generate import stream
-from txlm.prompts import encode_prompt, end_token, read_prompt_file, start_token
-from txlm.sampling import SamplingConfig
+from txlm.inference.evaluate import autocast
+from txlm.inference.generate import stream
+from txlm.inference.prompts import encode_prompt, end_token, read_prompt_file, start_token
+from txlm.inference.sampling import SamplingConfig
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
 
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"txlm: seed {seed}\n")
 
     live = args.num_samples == 1 and len(prompts) == 1 and not args.json
-    # one stream per row, prompt-major like txlm.generate.stream
+    # one stream per row, prompt-major like txlm.inference.generate.stream
     rows = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
     streams = [_TextStream(vocab, prompts[i], sys.stdout) for i, _ in rows]
     if live:

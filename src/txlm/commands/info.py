@@ -77,11 +77,11 @@ def ablation_table() -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from txlm.checkpoint import Checkpoint
+        from txlm.checkpoints.checkpoint import Checkpoint
 
         ckpt = Checkpoint.open(args.checkpoint)
-        if ckpt.data.get("task") == "classify":  # body and head (txlm.classification)
-            from txlm.classification import load_classifier
+        if ckpt.data.get("task") == "classify":  # body and head (txlm.classify.predict)
+            from txlm.classify.predict import load_classifier
 
             model = load_classifier(ckpt.path)
         else:

@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--task", default=None, choices=["lm", "classify"],
         help="lm: a language model (default); classify: a document classifier on the --init "
-        "checkpoint's body, data.dataset=classes:DIR (txlm.training.classify_task)",
+        "checkpoint's body, data.dataset=classes:DIR (txlm.training.tasks.classify)",
     )  # fmt: skip
     add_device_options(p, in_config=True)
     p.add_argument(
@@ -106,7 +106,7 @@ def _remove_run(out: Path, names: list[str]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from txlm import checkpoint
+    from txlm.checkpoints import checkpoint
     from txlm.errors import CheckpointError
     from txlm.training.config import TrainConfig, resolve
 

@@ -209,7 +209,9 @@ def _given_vocab_level(vocab: Vocab, level: str | None, options: dict) -> str:
 
 
 def _lower_cased(raw: RawCorpus) -> RawCorpus:
-    from txlm.convert import normalize_text  # the one rule, shared with whatever encodes text
+    from txlm.checkpoints.convert import (
+        normalize_text,  # the one rule, shared with whatever encodes text
+    )
 
     options = {"lower_case": True}
 

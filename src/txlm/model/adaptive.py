@@ -186,7 +186,7 @@ class AdaptiveLogSoftmax(nn.Module):
         """hidden [N, P] -> log-probabilities [N, V] (float32 at least).
 
         ``need``: the tail clusters a draw may take its token from (a decoder's pruned
-        draw, txlm.sampling.clusters_needed): the head's log-probabilities [N, shortlist +
+        draw, txlm.inference.sampling.clusters_needed): the head's log-probabilities [N, shortlist +
         C] -> bool [N, C]. A cluster no row needs is not computed: its tokens hold its mass
         spread evenly, head_c - log n_c. That is at most head_c, below every candidate a
         top-k cut or greedy keeps when ``need`` rules the cluster out, and it keeps the

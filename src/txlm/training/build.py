@@ -10,11 +10,11 @@ import sys
 import torch
 from torch import nn
 
-from txlm import distributed as dist
 from txlm.config import ModelConfig
 from txlm.data import PreparedCorpus, SentenceStreamIterator, StreamIterator, open_corpus
 from txlm.data.vocab import Vocab
 from txlm.errors import ConfigError
+from txlm.training import distributed as dist
 from txlm.training.config import TrainConfig
 
 

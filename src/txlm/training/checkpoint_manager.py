@@ -1,7 +1,8 @@
 """The run's checkpoints: ``out/last`` (everything to resume exactly) and ``out/best``.
 
 The trainer hands its components to a ``CheckpointManager`` once; the manager knows nothing
-of the trainer. ``last`` holds the weights (``txlm.checkpoint``) plus three resume-only files:
+of the trainer. ``last`` holds the weights (``txlm.checkpoints.checkpoint``) plus three resume-only
+files:
 
     optimizer.safetensors   Adam's moments (real shapes where heads are padded)
     memory.safetensors      every rank's rows of the ``Memory`` component, in rank order
@@ -24,10 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from txlm import atomic, checkpoint
-from txlm import distributed as dist
+from txlm import atomic
+from txlm.checkpoints import checkpoint
 from txlm.config import ModelConfig
 from txlm.errors import CheckpointError, TrainingError, TxlmError
+from txlm.training import distributed as dist
 from txlm.training.state import Counters, Memory, Stateful, load_optimizer, save_optimizer
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -135,8 +137,9 @@ class CheckpointManager:
             )
         if ModelConfig.from_dict(saved["model"]) != self.model_config:
             raise CheckpointError(f"{directory}: model.* settings differ from the checkpoint's")
-        if saved.get("task") == "classify":  # a classifier: body.* and head.* (txlm.classification)
-            from txlm.classification import load_classifier
+        # a classifier: body.* and head.* (txlm.classify.predict)
+        if saved.get("task") == "classify":
+            from txlm.classify.predict import load_classifier
 
             loaded = load_classifier(directory, device=self.device)
         else:

@@ -113,7 +113,7 @@ class RunConfig:
 
 @dataclass
 class ClassifyConfig:
-    """``task: classify`` (txlm.training.classify_task, txlm.classifier)."""
+    """``task: classify`` (txlm.training.tasks.classify, txlm.classify.classifier)."""
 
     pooling: Literal["mean", "last"] = "mean"  # how the head pools the final-layer states
     grad_segments: int = 1  # the last k segments of a document keep their graph (0: all)
@@ -299,7 +299,7 @@ def resolve(
     """Compose preset -> YAML files -> --set overrides into a validated TrainConfig.
 
     ``base`` (a checkpoint's saved config, for --resume) replaces the preset layer.
-    ``init`` (a ``txlm.checkpoint.Checkpoint``, for --init) gives the model section: the
+    ``init`` (a ``txlm.checkpoints.checkpoint.Checkpoint``, for --init) gives the model section: the
     files and --set may change only what ``txlm.training.init.TUNABLE_MODEL_KEYS`` names,
     and the evaluation lengths default to the model's, not the preset's.
     """

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from txlm import checkpoint
-from txlm.convert import normalize_text
+from txlm.checkpoints import checkpoint
+from txlm.checkpoints.convert import normalize_text
 from txlm.data import PreparedCorpus
-from txlm.evaluate import evaluate_tokens
+from txlm.inference.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
 from txlm.training.config import TrainConfig
 from txlm.training.sample import sample_text

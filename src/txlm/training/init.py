@@ -21,7 +21,7 @@ from typing import Any
 
 from torch import nn
 
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
 
 # The model keys a trained model lets a new run change: its weights fix every other one.

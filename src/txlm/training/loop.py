@@ -54,17 +54,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm import atomic, checkpoint, resources
-from txlm import distributed as dist
-from txlm.checkpoint import Checkpoint
-from txlm.classifier import Classifier, ClassifierConfig
+from txlm import atomic, resources
+from txlm.checkpoints import checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
+from txlm.checkpoints.convert import text_options
+from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
-from txlm.convert import text_options
 from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device, wanted
 from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
+from txlm.training import distributed as dist
 from txlm.training.build import (
     build_optimizer,
     frozen_parameters,
@@ -73,7 +74,6 @@ from txlm.training.build import (
     unknown_shares,
 )
 from txlm.training.checkpoint_manager import CheckpointManager
-from txlm.training.classify_task import ClassifyTask
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic, threads
 from txlm.training.evaluation import evaluate_split, final_evaluation
@@ -92,6 +92,7 @@ from txlm.training.step import (
     tail_buckets,
     token_scale,
 )
+from txlm.training.tasks.classify import ClassifyTask
 
 __all__ = ["RESULTS_FILE", "StepStats", "Trainer", "graphs_compiled"]
 
@@ -699,7 +700,7 @@ class _Session:
 def _classify_task(
     config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool
 ) -> ClassifyTask | None:
-    """``task: classify``'s pieces (txlm.training.classify_task), None for a language model."""
+    """``task: classify``'s pieces (txlm.training.tasks.classify), None for a language model."""
     if config.task != "classify":
         return None
     if vocab is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from txlm import atomic
-from txlm.evaluate import metric_value
+from txlm.inference.evaluate import metric_value
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from txlm.errors import TxlmError
-from txlm.generate import generate
+from txlm.inference.generate import generate
+from txlm.inference.prompts import encode_prompt, start_token
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
-from txlm.prompts import encode_prompt, start_token
 
 
 def sample_text(

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm import distributed as dist
-from txlm.evaluate import autocast
+from txlm.inference.evaluate import autocast
+from txlm.training import distributed as dist
 from txlm.training.state import Memory
 
 

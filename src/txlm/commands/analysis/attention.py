@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from txlm.analysis import attention_maps as am
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.commands.analysis import common
 
 

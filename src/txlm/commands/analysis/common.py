@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from txlm.atomic import write_json
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.commands.options import add_device_options
 from txlm.data import open_corpus
 from txlm.devices import resolve_device

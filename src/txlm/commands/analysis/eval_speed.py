@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from txlm.analysis.speed import format_table, measure_eval_speed, plot_speed
-from txlm.checkpoint import load
+from txlm.checkpoints.checkpoint import load
 from txlm.commands.analysis import common
 from txlm.config import ModelConfig
 from txlm.model import TransformerXL

@@ -9,7 +9,7 @@ import numpy as np
 from tqdm import tqdm
 
 from txlm.analysis import recl
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.commands.analysis import common
 
 

@@ -17,7 +17,8 @@ repository id (``transfo-xl/transfo-xl-wt103``, ``org/name``) is downloaded:
 
 What arrives is data, as a local folder is: the weights go through ``torch.load(
 weights_only=True)`` or safetensors and a pickled vocabulary through txlm's restricted
-unpickler (``txlm.convert``), so a repository carrying a pickle payload is refused the same
+unpickler (``txlm.checkpoints.convert``), so a repository carrying a pickle payload is refused the
+same
 way. Every failure (no such repository, a listed file the server does not have, a download
 cut short, no network) is one ``CheckpointError`` line.
 """

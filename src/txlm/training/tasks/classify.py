@@ -6,12 +6,12 @@ metrics, TensorBoard, DDP, the stop signals) is the trainer's own.
 Legend: B global batch (documents), W ranks, b = B / W, A gradient-accumulation chunks of
 c = b / A documents, N documents of the global batch.
 
-- data: ``data.dataset=classes:DIR`` (``txlm.data.classes``), encoded with the ``--init``
+- data: ``data.dataset=classes:DIR`` (``txlm.classify.classes``), encoded with the ``--init``
   checkpoint's vocabulary; the split is recorded in the prepared data folder and in every
   checkpoint's config.json (``dataset``);
-- batches: ``txlm.data.documents.DocumentBatches`` (length buckets, exact resume), the
+- batches: ``txlm.classify.documents.DocumentBatches`` (length buckets, exact resume), the
   trainer's ``data`` component;
-- model: ``txlm.classifier.Classifier``, the body built from the model section (the init
+- model: ``txlm.classify.classifier.Classifier``, the body built from the model section (the init
   checkpoint's weights copied in) and a new head;
 - step: each chunk's documents read and classified in one forward (a DDP forward), backward
   on sum(cross-entropy) * W / N, so the gradient is the mean over the global batch's
@@ -30,18 +30,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txlm import distributed as dist
-from txlm.classification import checkpoint_extras, load_classifier
-from txlm.classifier import Classifier, ClassifierConfig
-from txlm.classifier_eval import evaluate_documents
+from txlm.classify.classes import ClassDataset, is_classes, open_classes
+from txlm.classify.classifier import Classifier, ClassifierConfig
+from txlm.classify.documents import DocumentBatch, DocumentBatches
+from txlm.classify.evaluation import evaluate_documents
+from txlm.classify.predict import checkpoint_extras, load_classifier
 from txlm.config import ModelConfig
-from txlm.data.classes import ClassDataset, is_classes, open_classes
-from txlm.data.documents import DocumentBatch, DocumentBatches
 from txlm.data.prepared import default_data_dir
 from txlm.errors import ConfigError
-from txlm.evaluate import autocast
+from txlm.inference.evaluate import autocast
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
+from txlm.training import distributed as dist
 from txlm.training.config import TrainConfig
 
 # The training rows' metric: the cross-entropy in bits per document (log2 C at chance);

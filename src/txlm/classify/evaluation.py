@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from txlm.classification import predict
-from txlm.classifier import Classifier
-from txlm.data.classes import Documents
+from txlm.classify.classes import Documents
+from txlm.classify.classifier import Classifier
+from txlm.classify.predict import predict
 
 
 def scores(labels: list[str], truth: np.ndarray, predicted: np.ndarray) -> dict[str, Any]:

@@ -47,13 +47,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txlm.checkpoint import _BUILD_DIRECTLY_BELOW, _rough_parameter_count, save
+from txlm.checkpoints.checkpoint import _BUILD_DIRECTLY_BELOW, _rough_parameter_count, save
+from txlm.checkpoints.safe_unpickle import load_pickled_object
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
 from txlm.errors import CheckpointError, ConfigError
 from txlm.model import TransformerXL
 from txlm.model.positional import inverse_frequencies
-from txlm.safe_unpickle import load_pickled_object
 
 HF_CONFIG = "config.json"
 HF_SAFETENSORS = "model.safetensors"
@@ -423,7 +423,7 @@ def convert_hf(
     """Convert a Hugging Face TransfoXL checkpoint directory into a txlm checkpoint.
 
     ``source``: what to record as its origin (a Hub repository id; default: the folder).
-    A repository by name: ``convert_hf(txlm.hub.local_or_hub(name), out)``.
+    A repository by name: ``convert_hf(txlm.checkpoints.hub.local_or_hub(name), out)``.
     """
     src = Path(src_dir)
     if not src.is_dir():
@@ -447,7 +447,7 @@ def convert_hf(
     if tokenizer.get("lower_case"):
         notes.append(
             "the tokenizer lower-cased its input: txlm generate, eval --file and train --init "
-            "lower-case text before encoding it (txlm.convert.normalize_text)"
+            "lower-case text before encoding it (txlm.checkpoints.convert.normalize_text)"
         )
     if hf_config.get("mem_len", 0) > 0:
         notes.append(

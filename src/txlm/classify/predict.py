@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from txlm import checkpoint
-from txlm.classifier import Classifier, ClassifierConfig
-from txlm.data.documents import pad_documents
+from txlm.checkpoints import checkpoint
+from txlm.classify.classifier import Classifier, ClassifierConfig
+from txlm.classify.documents import pad_documents
 from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model import TransformerXL
 

@@ -43,12 +43,12 @@ import torch
 from torch import Tensor
 
 from txlm.errors import ConfigError
+from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
 from txlm.model.cache import KVCache
 from txlm.model.layout import one_row_layout
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXL
-from txlm.sampling import SamplingConfig, clusters_needed, draw_noise, sample
 
 
 def check_ids(rows: list[list[int]], vocab_size: int) -> None:
@@ -258,7 +258,7 @@ class Decoder:
         """The output layer on the last positions [B, D]: log-probabilities [B, V]
         (``sampling`` None), or the next token per row [B] drawn with ``noise``.
 
-        Where a draw skips the tail clusters that cannot hold it (txlm.sampling.
+        Where a draw skips the tail clusters that cannot hold it (txlm.inference.sampling.
         clusters_needed): in a compiled step, branch-free (each cluster chosen on the
         device: one graph, capturable, a skipped cluster's product for one row fused into a
         read of one row of its weight), and eagerly on a CPU (a host branch per cluster,
@@ -279,7 +279,7 @@ class Decoder:
         return sample(scores, sampling, noise=noise)
 
     def _noise(self, sampling: SamplingConfig | None, generator, batch: int) -> Tensor | None:
-        """The random numbers of a draw over ``batch`` rows (txlm.sampling.draw_noise);
+        """The random numbers of a draw over ``batch`` rows (txlm.inference.sampling.draw_noise);
         None for no draw."""
         if sampling is None:
             return None

@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from txlm.data import metrics as _metrics
+from txlm.inference.kv_eval import CachedEvaluator
 from txlm.model import TransformerXL
-from txlm.model.kv_eval import CachedEvaluator
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXLOutput

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from txlm.data.classes import Documents
+from txlm.classify.classes import Documents
 from txlm.errors import DataError
 
 STATE_VERSION = 1

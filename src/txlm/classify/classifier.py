@@ -6,7 +6,7 @@ Legend: b rows (documents), T = S * L a row's padded length, S segments of lengt
 M memory length, D model dim, C labels.
 
     clf = Classifier(body, ClassifierConfig(labels=["comedy", "tragedy"]))
-    out = clf(input_ids [b, T], start [b], labels=None)   # txlm.data.documents' layout
+    out = clf(input_ids [b, T], start [b], labels=None)   # txlm.classify.documents' layout
     out.log_probs [b, C]; out.losses [b] (labels given): each document's cross-entropy
 
 Reading. Rows are right-aligned documents (``start[i]``: the first real token, flagged as a

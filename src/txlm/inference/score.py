@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.errors import ConfigError, DataError
-from txlm.evaluate import stream_segments
+from txlm.inference.evaluate import stream_segments
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
 
@@ -144,7 +144,10 @@ def score_file(
         text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
-    from txlm.convert import normalize_text, text_options  # a converted tokenizer's rules
+    from txlm.checkpoints.convert import (  # a converted tokenizer's rules
+        normalize_text,
+        text_options,
+    )
 
     ids = vocab.encode(
         text if isinstance(text, bytes) else normalize_text(text, text_options(ckpt.data))

@@ -3,9 +3,9 @@
 Dimension legend
     B  rows (prompts x samples, prompt-major)     V  vocabulary
 
-The prompts are read by a decoder (txlm.decode: the context in end-aligned segments that
+The prompts are read by a decoder (txlm.inference.decode: the context in end-aligned segments that
 fill the memory, then one cached step per token) and each next token is drawn on the device
-(txlm.sampling: the renormalised top-k, k = 40 by default, optionally top-p, at a
+(txlm.inference.sampling: the renormalised top-k, k = 40 by default, optionally top-p, at a
 temperature, or greedy). Every row of a batch, the samples of a prompt included, decodes in
 one batch; a prompt with several samples is read once, its cache rows then repeated. No
 step or draw reads a value back to the host; ``stream`` syncs once per token, to hand the
@@ -22,11 +22,11 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from txlm.decode import Decoder
 from txlm.errors import ConfigError
+from txlm.inference.decode import Decoder
+from txlm.inference.sampling import SamplingConfig
 from txlm.model.lengths import Lengths
 from txlm.model.transformer import TransformerXL
-from txlm.sampling import SamplingConfig
 
 PromptLike = Sequence[int] | Tensor
 
@@ -80,11 +80,12 @@ def stream(
     ``stop_id``: a row that has drawn it is finished; from then on it yields ``stop_id``
     again (padding) and the stream ends once every row is finished. The ids come back on
     the CPU; the next step is already queued on the device when they are read.
-    ``compile``: run the decoding step under ``torch.compile`` (see ``txlm.decode.Decoder``).
+    ``compile``: run the decoding step under ``torch.compile`` (see
+    ``txlm.inference.decode.Decoder``).
     ``lengths``: the attention lengths to decode with (None: the model's).
     The model is left as it is: each decoder call runs it in eval mode and puts it back
     (nothing is held changed across a ``yield``); the decoder's dtype is autocast's when
-    it is on as the first step is taken (txlm.decode.Decoder).
+    it is on as the first step is taken (txlm.inference.decode.Decoder).
     """
     sampling = sampling or SamplingConfig()
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
