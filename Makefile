@@ -69,9 +69,9 @@ test-portable: $(STAMP)
 # DDP, compile) STRESS_RUNS times in a row while a second copy of the whole suite loads the
 # machine. Stops at the first failing run.
 STRESS_RUNS  ?= 10
-STRESS_TESTS := tests/test_reliability_train.py tests/test_reliability_checkpoint.py \
-	tests/test_train_resume.py tests/test_train_ddp.py tests/test_train_compile.py \
-	tests/test_train_cli.py::test_sigint_saves_last_and_exits_130
+STRESS_TESTS := tests/reliability/test_train.py tests/reliability/test_checkpoint.py \
+	tests/training/test_resume.py tests/training/test_ddp.py tests/training/test_compile.py \
+	tests/cli/test_train.py::test_sigint_saves_last_and_exits_130
 stress: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
 	@scratch=$$(mktemp -d); \

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from _train_helpers import txlm
+from tests.helpers.train import txlm
 from txlm.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[1]

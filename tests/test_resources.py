@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _train_helpers import FAST, REPO, tiny_text, txlm
-from conftest import subprocess_env
-from reliability_helpers import snapshot
+from tests.helpers.env import subprocess_env
+from tests.helpers.reliability import snapshot
+from tests.helpers.train import FAST, REPO, tiny_text, txlm
 from txlm import resources
 from txlm.config import ModelConfig
 from txlm.model import TransformerXL
@@ -256,7 +256,7 @@ def test_benchmarks_write_to_a_scratch_folder_by_default(tmp_path: Path) -> None
 def test_a_bpe_size_above_what_the_text_gives_learns_the_same_vocabulary(monkeypatch) -> None:
     """The size handed to the tokenizer library is capped at what the text can give; the
     vocabulary is the one an uncapped size learns (the library stops when no pair repeats)."""
-    from reliability_helpers import corpus_text
+    from tests.helpers.reliability import corpus_text
     from txlm.data import bpe
 
     texts = [corpus_text(80), "héllo wörld, ünïcode naïve café " * 20]

@@ -13,7 +13,7 @@ segment projects only its L new positions. That saves 4 M D (H Dh) FLOPs per lay
 half the key/value work at M = L and 80% at M = 4L (mem 512, segment 128).
 
 The results equal ``model(...)`` segment by segment up to float rounding (the same products,
-blocked differently by the matmul): tests/test_perf_kv_eval.py. It is the model's own
+blocked differently by the matmul): tests/inference/test_kv_eval.py. It is the model's own
 ``transform`` with a ``KVCache`` (txlm.model.cache), the same one generation decodes with.
 The cache is the memory: no hidden states are kept (``out.mems`` is empty; ``cache.window``
 and ``cache.memory_valid`` show what it holds). Opt-in, for inference only: training needs the

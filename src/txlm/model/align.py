@@ -27,7 +27,7 @@ a model stores, and ``TransformerXL(config, stored)`` builds its modules with th
 
 The gradients of the padded entries are exactly zero too (each is a product with a zero
 factor, or a -inf logit's zero probability), so Adam (and weight decay) leaves them at zero:
-the model trains as the unpadded one would (tests/test_model_align.py).
+the model trains as the unpadded one would (tests/model/test_align.py).
 
 Checkpoints keep the real shapes: ``state_dict`` strips the padding and ``load_state_dict``
 accepts either form (hooks the model registers when built padded, from ``padding``);
