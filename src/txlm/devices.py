@@ -6,6 +6,7 @@ and a request for a GPU that is not there fails the same way (one line, exit 2).
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 from txlm.errors import ConfigError
@@ -52,3 +53,13 @@ def check_precision(precision: str, device: torch.device) -> None:
     """fp16 autocast exists for GPUs only; bf16 runs on both."""
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError("precision fp16 needs a GPU; use bf16 on CPU")
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision: bf16 autocast on CPU and GPU, fp16 on GPU; fp32 runs plain."""
+    import torch
+
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)

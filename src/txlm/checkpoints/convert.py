@@ -408,12 +408,6 @@ def text_options(config_data: dict[str, Any]) -> dict[str, Any]:
     return {"lower_case": lower}
 
 
-def normalize_text(text: str, options: dict[str, Any]) -> str:
-    """``text`` as the converted tokenizer read it (``text_options``): lower-cased when it
-    lower-cased its input, as TransfoXLTokenizer did (``str.lower`` of each line)."""
-    return text.lower() if options.get("lower_case") else text
-
-
 # -- the whole conversion -------------------------------------------------------------------
 
 
@@ -447,7 +441,7 @@ def convert_hf(
     if tokenizer.get("lower_case"):
         notes.append(
             "the tokenizer lower-cased its input: txlm generate, eval --file and train --init "
-            "lower-case text before encoding it (txlm.checkpoints.convert.normalize_text)"
+            "lower-case text before encoding it (txlm.data.text.normalize_text)"
         )
     if hf_config.get("mem_len", 0) > 0:
         notes.append(

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from txlm.checkpoints.checkpoint import Checkpoint
-from txlm.checkpoints.convert import normalize_text, text_options
+from txlm.checkpoints.convert import text_options
 from txlm.commands.options import add_device_options, apply_threads
-from txlm.devices import check_precision, resolve_device
+from txlm.data.text import normalize_text
+from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import ConfigError
-from txlm.inference.evaluate import autocast
 from txlm.inference.generate import stream
 from txlm.inference.prompts import encode_prompt, end_token, read_prompt_file, start_token
 from txlm.inference.sampling import SamplingConfig

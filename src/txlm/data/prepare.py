@@ -39,6 +39,7 @@ from txlm.data.prepared import (
     load_prepared,
 )
 from txlm.data.splits import encode_splits
+from txlm.data.text import normalize_text
 from txlm.data.vocab import TOKENIZER_FILE, Vocab, check_fingerprint
 from txlm.errors import DataError
 
@@ -209,10 +210,6 @@ def _given_vocab_level(vocab: Vocab, level: str | None, options: dict) -> str:
 
 
 def _lower_cased(raw: RawCorpus) -> RawCorpus:
-    from txlm.checkpoints.convert import (
-        normalize_text,  # the one rule, shared with whatever encodes text
-    )
-
     options = {"lower_case": True}
 
     def lowered(source: SplitSource) -> SplitSource:

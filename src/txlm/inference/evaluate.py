@@ -19,7 +19,6 @@ built on it.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 
 from txlm.data import metrics as _metrics
+from txlm.devices import autocast
 from txlm.inference.kv_eval import CachedEvaluator
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
@@ -44,14 +44,6 @@ def metric_value(loss: float, metric: str, *, tokens_per_byte: float | None = No
     """bits per character (char/byte), bits per byte (bpe; needs the text's tokens per
     byte), perplexity (word): ``txlm.data.metrics``."""
     return _metrics.metric_value(loss, metric, tokens_per_byte=tokens_per_byte)
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Mixed precision: bf16 autocast on CPU and GPU, fp16 on GPU; fp32 runs plain."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def stream_rows(tokens: Tensor, batch_size: int) -> tuple[Tensor, Tensor]:

@@ -144,10 +144,8 @@ def score_file(
         text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
-    from txlm.checkpoints.convert import (  # a converted tokenizer's rules
-        normalize_text,
-        text_options,
-    )
+    from txlm.checkpoints.convert import text_options  # a converted tokenizer's rules
+    from txlm.data.text import normalize_text
 
     ids = vocab.encode(
         text if isinstance(text, bytes) else normalize_text(text, text_options(ckpt.data))

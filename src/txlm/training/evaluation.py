@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from txlm.checkpoints import checkpoint
-from txlm.checkpoints.convert import normalize_text
 from txlm.data import PreparedCorpus
+from txlm.data.text import normalize_text
 from txlm.inference.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
 from txlm.training.config import TrainConfig

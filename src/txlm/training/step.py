@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from txlm.inference.evaluate import autocast
+from txlm.devices import autocast
 from txlm.training import distributed as dist
 from txlm.training.state import Memory
 

@@ -37,8 +37,8 @@ from txlm.classify.evaluation import evaluate_documents
 from txlm.classify.predict import checkpoint_extras, load_classifier
 from txlm.config import ModelConfig
 from txlm.data.prepared import default_data_dir
+from txlm.devices import autocast
 from txlm.errors import ConfigError
-from txlm.inference.evaluate import autocast
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
 from txlm.training import distributed as dist
