@@ -113,7 +113,7 @@ class Runner:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "helpers/reliability_cli_runner.py")],
+            [sys.executable, str(HERE / "reliability_cli_runner.py")],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
