@@ -137,6 +137,9 @@ class Engine:
         self.cond = threading.Condition()
         self.stopping = False
         self.step_hook: Callable[[Engine], None] | None = None  # tests: called before a step
+        # tests: cleared, the engine admits nothing (requests queue up) until it is set again
+        self.admitting = threading.Event()
+        self.admitting.set()
         self.thread = threading.Thread(target=self._run, name="txlm-serve-engine", daemon=True)
 
     # -- the event loop's side ----------------------------------------------------------
@@ -154,19 +157,20 @@ class Engine:
                 )  # fmt: skip
             self.pending.append(work)
             self.metrics.queue_depth.set(len(self.pending))
-            self.cond.notify()
+            self.cond.notify_all()
 
     def cancel(self, work: Job | Call) -> None:
         """The client is gone: its rows leave the batch at the next step."""
         with self.cond:
             work.cancelled = True
-            self.cond.notify()
+            self.cond.notify_all()
 
     def stop(self) -> None:
         """End every request (a final event each) and the thread."""
         with self.cond:
             self.stopping = True
-            self.cond.notify()
+            self.cond.notify_all()
+        self.admitting.set()
 
     def join(self, timeout: float | None = None) -> None:
         if self.thread.is_alive():
@@ -201,6 +205,8 @@ class Engine:
         with self.cond:
             while not self.stopping and not self.active and not self.pending:
                 self.cond.wait()
+        self.admitting.wait()
+        with self.cond:
             if self.stopping:
                 return None
             rows = sum(j.rows for j in self.active)
@@ -340,7 +346,9 @@ class Engine:
             at += job.rows
         if len(staying) == len(self.active):
             return
-        self.active = staying
+        with self.cond:  # (tests wait for rows to leave)
+            self.active = staying
+            self.cond.notify_all()
         if not keep:
             self.batch = None
         else:
