@@ -65,8 +65,9 @@ class Service:
 
     # -- loading ------------------------------------------------------------------------
     def start(self) -> None:
-        """Load the model and start the engine in the background."""
-        if self._loader is None:
+        """Load the model and start the engine in the background (once: not again after
+        ``load``)."""
+        if self._loader is None and not self.ready.is_set():
             self._loader = threading.Thread(target=self._load, name="txlm-serve-load", daemon=True)
             self._loader.start()
 
