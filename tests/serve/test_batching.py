@@ -41,9 +41,10 @@ def _offline(offline, prompt, max_tokens, settings, n, seed):
 
 def test_concurrent_rows_equal_each_request_alone(lm_path, offline):
     # 8 rows at a time: the later requests wait and join as earlier ones leave
-    with serving(lm_path, ServeConfig(max_batch=8)) as s, httpx.Client(
-        base_url=s.url, timeout=TIMEOUT
-    ) as http:
+    with (
+        serving(lm_path, ServeConfig(max_batch=8)) as s,
+        httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
+    ):
         engine = s.engine
         sizes = []
         engine.step_hook = lambda e: sizes.append(sum(j.rows for j in e.active))

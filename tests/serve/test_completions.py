@@ -91,8 +91,15 @@ def test_stream_gives_the_same_text_and_ends_with_done(client, http, offline):
             finish[c.index] = c.finish_reason or finish[c.index]
     assert texts == offline_text(offline, PROMPT, max_tokens=20, seed=5, n=2)
     assert finish == ["length", "length"]
-    raw = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3, "stream": True,
-                                              "stream_options": {"include_usage": True}})
+    raw = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "ab",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert raw.headers["content-type"].startswith("text/event-stream")
     events = [e for e in raw.text.split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
@@ -109,8 +116,9 @@ def test_stop_strings_end_the_text_before_them(client, offline):
     assert got.choices[0].finish_reason == "stop"
     streamed = "".join(
         c.choices[0].text
-        for c in client.completions.create(model="lm", prompt=PROMPT, max_tokens=40, seed=11,
-                                           stop=[stop], stream=True)  # fmt: skip
+        for c in client.completions.create(
+            model="lm", prompt=PROMPT, max_tokens=40, seed=11, stop=[stop], stream=True
+        )
         if c.choices
     )
     assert streamed == cut

@@ -62,8 +62,10 @@ def test_chat_and_unknown_routes_answer_in_json(http):
     r = http.post("/v1/chat/completions", json={"messages": []})
     assert r.status_code == 400 and "use POST /v1/completions" in r.json()["error"]["message"]
     assert http.get("/v1/nothing").json()["error"]["code"] == 404
-    assert http.post("/v1/classify", json={"input": "a"}).json()["error"]["message"].startswith(
-        "this server holds a language model"
+    assert (
+        http.post("/v1/classify", json={"input": "a"})
+        .json()["error"]["message"]
+        .startswith("this server holds a language model")
     )
 
 
@@ -74,17 +76,25 @@ def test_health_models_and_metrics(http):
     assert model["lengths"]["mem_len"] == 16
     http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2})
     text = http.get("/metrics").text
-    for name in ("txlm_requests_total", "txlm_generated_tokens_total", "txlm_queue_depth",
-                 "txlm_batch_size", "txlm_sessions", "txlm_session_bytes",
-                 "txlm_time_to_first_token_seconds_bucket", "txlm_token_latency_seconds_bucket"):
+    for name in (
+        "txlm_requests_total",
+        "txlm_generated_tokens_total",
+        "txlm_queue_depth",
+        "txlm_batch_size",
+        "txlm_sessions",
+        "txlm_session_bytes",
+        "txlm_time_to_first_token_seconds_bucket",
+        "txlm_token_latency_seconds_bucket",
+    ):
         assert name in text  # fmt: skip
     assert 'route="/v1/completions",status="200"' in text
 
 
 def test_the_api_key_is_required_on_v1_and_metrics(lm_path):
-    with serving(lm_path, ServeConfig(api_key="s3cret")) as s, httpx.Client(
-        base_url=s.url, timeout=TIMEOUT
-    ) as http:
+    with (
+        serving(lm_path, ServeConfig(api_key="s3cret")) as s,
+        httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
+    ):
         body = {"prompt": "a", "max_tokens": 1}
         assert http.post("/v1/completions", json=body).status_code == 401
         wrong = {"Authorization": "Bearer s3creT"}
@@ -97,9 +107,10 @@ def test_the_api_key_is_required_on_v1_and_metrics(lm_path):
 
 
 def test_a_full_queue_answers_429_with_retry_after(lm_path):
-    with serving(lm_path, ServeConfig(max_queue=1)) as s, httpx.Client(
-        base_url=s.url, timeout=TIMEOUT
-    ) as http:
+    with (
+        serving(lm_path, ServeConfig(max_queue=1)) as s,
+        httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
+    ):
         engine = s.engine
         engine.admitting.clear()  # nothing is admitted: the first request waits in the queue
         results = []

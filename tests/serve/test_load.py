@@ -37,9 +37,12 @@ def test_32_clients_get_complete_answers_equal_to_offline(lm_path, offline):
             ids = generate(model, vocab.encode(b["prompt"]), max_new_tokens=b["max_tokens"],
                            seed=b["seed"], lengths=lengths)[0]  # fmt: skip
             want[key] = vocab.decode(ids)
-    with serving(lm_path, ServeConfig(max_batch=16)) as s, httpx.Client(
-        base_url=s.url, timeout=TIMEOUT, limits=httpx.Limits(max_connections=32)
-    ) as http:
+    with (
+        serving(lm_path, ServeConfig(max_batch=16)) as s,
+        httpx.Client(
+            base_url=s.url, timeout=TIMEOUT, limits=httpx.Limits(max_connections=32)
+        ) as http,
+    ):
 
         def client(c):
             return [http.post("/v1/completions", json=body(c, k)).json() for k in range(4)]

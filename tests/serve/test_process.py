@@ -45,9 +45,10 @@ def test_a_signal_ends_open_streams_and_exits_0(lm_path, sig):
         assert line.startswith("txlm: serving lm at http://127.0.0.1:")
         url = line.split(" at ")[1].strip()
         body = {"prompt": "ROMEO:", "max_tokens": 1000000, "stream": True}
-        with httpx.Client(base_url=url, timeout=TIMEOUT) as http, http.stream(
-            "POST", "/v1/completions", json=body
-        ) as r:
+        with (
+            httpx.Client(base_url=url, timeout=TIMEOUT) as http,
+            http.stream("POST", "/v1/completions", json=body) as r,
+        ):
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
             proc.send_signal(sig)

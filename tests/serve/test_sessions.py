@@ -3,6 +3,8 @@ the concatenation, listing, deleting, eviction (404), one request at a time (409
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def test_a_text_sent_in_pieces_scores_as_the_whole(client, http, offline):
     ids = vocab.encode(TEXT)  # 140 tokens: many segments of 16 with a memory of 16
     cuts = [0, 3, 4, 21, 40, 41, 57, 80, 96, 119, len(ids)]  # ten pieces, off the segment grid
     got = []
-    for a, b in zip(cuts, cuts[1:], strict=False):
+    for a, b in itertools.pairwise(cuts):
         r = client.completions.create(model="lm", prompt=ids[a:b], max_tokens=0, echo=True,
                                       logprobs=0, extra_body={"session": sid})  # fmt: skip
         got += r.choices[0].logprobs.token_logprobs
