@@ -282,7 +282,9 @@ class Engine:
             self.batch = cache
         else:
             self.batch.splice(cache)
-        self.active.append(job)
+        with self.cond:  # (tests wait for rows to join)
+            self.active.append(job)
+            self.cond.notify_all()
 
     def _draw(self, job: Job, log_probs: Tensor) -> None:
         """The job's next token per row from its rows' log-probabilities [R, V]: its own
