@@ -31,12 +31,15 @@ def _offline(offline, prompt, max_tokens, settings, n, seed):
     from txlm.inference.prompts import start_token
 
     temperature = settings.get("temperature", 1.0)
-    out = generate(
-        model, vocab.encode(prompt), max_new_tokens=max_tokens, seed=seed, num_samples=n,
-        lengths=lengths, top_k=settings.get("top_k", 40), top_p=settings.get("top_p"),
-        temperature=temperature or 1.0, greedy=temperature == 0, start_id=start_token(vocab),
-    )  # fmt: skip
-    return [vocab.decode(r) for r in out]
+    return [
+        vocab.decode(generate(
+            model, vocab.encode(prompt), max_new_tokens=max_tokens, seed=seed + j,
+            lengths=lengths, top_k=settings.get("top_k", 40), top_p=settings.get("top_p"),
+            temperature=temperature or 1.0, greedy=temperature == 0,
+            start_id=start_token(vocab),
+        )[0])
+        for j in range(n)  # sample j: the prompt alone with seed + j
+    ]  # fmt: skip
 
 
 def test_concurrent_rows_equal_each_request_alone(lm_path, offline):

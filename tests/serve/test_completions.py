@@ -14,11 +14,14 @@ PROMPT = "ROMEO: the quick brown fox jumps over the lazy dog, and then"  # > tgt
 
 
 def offline_text(offline, prompt, *, max_tokens, seed, n=1, **settings):
+    """``txlm generate``'s samples: sample j of a prompt is that prompt alone with seed + j."""
     model, vocab, lengths = offline
     ids = vocab.encode(prompt)
-    out = generate(model, ids, max_new_tokens=max_tokens, seed=seed, num_samples=n,
-                   lengths=lengths, **settings)  # fmt: skip
-    return [vocab.decode(r) for r in out]
+    return [
+        vocab.decode(generate(model, ids, max_new_tokens=max_tokens, seed=seed + j,
+                              lengths=lengths, **settings)[0])
+        for j in range(n)
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -40,16 +43,17 @@ def test_same_ids_as_generate(client, offline, settings, offline_settings):
     assert got.usage.completion_tokens == 48
 
 
-def test_prompt_lists_and_token_ids_read_as_generate_reads_a_batch(client, offline):
-    model, vocab, lengths = offline
+def test_prompt_lists_and_token_ids_read_as_each_prompt_alone(client, offline):
+    vocab = offline[1]
     prompts = ["ROMEO:", "a much longer prompt that spans two segments of the debug model"]
-    got = client.completions.create(model="lm", prompt=prompts, max_tokens=10, seed=3)
-    ids = [vocab.encode(p) for p in prompts]
-    want = generate(model, ids, max_new_tokens=10, seed=3, lengths=lengths)
-    assert [c.text for c in got.choices] == [vocab.decode(r) for r in want]
-    by_ids = client.completions.create(model="lm", prompt=ids[0], max_tokens=10, seed=3)
-    alone = generate(model, ids[0], max_new_tokens=10, seed=3, lengths=lengths)[0]
-    assert by_ids.choices[0].text == vocab.decode(alone)
+    got = client.completions.create(model="lm", prompt=prompts, max_tokens=10, seed=3, n=2)
+    want = [t for p in prompts for t in offline_text(offline, p, max_tokens=10, seed=3, n=2)]
+    assert [c.text for c in got.choices] == want  # prompt-major, as txlm generate's rows
+    ids = vocab.encode(prompts[1])
+    by_ids = client.completions.create(model="lm", prompt=[ids, ids[:5]], max_tokens=10, seed=3)
+    assert by_ids.choices[0].text == want[2]
+    assert by_ids.choices[1].text == offline_text(offline, prompts[1][:5], max_tokens=10,
+                                                  seed=3)[0]  # fmt: skip
 
 
 def test_echoed_log_probs_equal_score(client, offline):

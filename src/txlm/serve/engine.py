@@ -81,7 +81,9 @@ class Job:
     texts: list[RowText] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     last: Tensor | None = None  # [R] the rows' last tokens
-    generator: torch.Generator | None = None
+    generators: list[torch.Generator] = field(default_factory=list)  # one per row
+    first: Tensor | None = None  # [R, V] the first tokens' log-probs, until they are drawn
+    cache: KVCache | None = None  # a session job's rows, until they join the batch
     steps: int = 0
     submitted: float = field(default_factory=time.perf_counter)
     arrived: float = 0.0  # the event loop's clock (its timeout)
@@ -183,8 +185,11 @@ class Engine:
                 admit = self._wait()
                 if admit is None:
                     break
-                for work in admit:
-                    self._start(work)
+                try:
+                    self._admit(admit)
+                except Exception as exc:  # a bug: the jobs it started are told, none hangs
+                    started = [w for w in admit if isinstance(w, Job) and w not in self.active]
+                    self._fail([j for j in started if not j.done], exc)
                 self._leave()
                 if self.active:
                     if self.step_hook is not None:
@@ -218,79 +223,165 @@ class Engine:
             self.metrics.queue_depth.set(len(self.pending))
             return admit
 
-    def _start(self, work: Job | Call) -> None:
-        if work.cancelled:
-            self._release(work)
+    def _admit(self, admitted: list[Job | Call]) -> None:
+        """Start the admitted work: calls run, jobs' prompts are read (the fresh ones in one
+        prefill), their first tokens drawn, their rows spliced into the batch."""
+        jobs: list[Job] = []
+        for work in admitted:
+            if work.cancelled:
+                self._release(work)
+            elif isinstance(work, Call):
+                self._guard([work], lambda work=work: work.outbox.put("result", work.fn()))
+            elif self._guard([work], lambda work=work: self._open(work)):
+                jobs.append(work)
+        fresh = [j for j in jobs if j.session is None and j.max_tokens > 0]
+        shared: KVCache | None = None
+        if fresh:
+            try:
+                shared = self._read_fresh(fresh)
+            except Exception as exc:
+                self._fail(fresh, exc)
+                jobs = [j for j in jobs if j not in fresh]
+                fresh = []
+        for job in [j for j in jobs if j.max_tokens == 0]:
+            job.finish = ["length"] * job.rows
+            self._finish(job)
+        live = [j for j in jobs if j.max_tokens > 0]
+        if not live:
             return
+        self._draw(live, torch.cat([j.first for j in live]))
+        now = time.perf_counter()
+        for job in live:
+            job.first = None
+            self.metrics.ttft.observe(now - job.submitted)
+        # the rows that go on, in the batch's order: the fresh ones' shared cache, then each
+        # session's own
+        joining = [j for j in fresh if not j.done]
+        caches = []
+        if shared is not None and joining:
+            if len(joining) < len(fresh):
+                keep, at = [], 0
+                for job in fresh:
+                    if not job.done:
+                        keep.extend(range(at, at + job.rows))
+                    at += job.rows
+                shared.keep_rows(torch.tensor(keep, dtype=torch.long))
+            caches.append(shared)
+        for job in live:
+            if job.session is not None and not job.done:
+                joining.append(job)
+                caches.append(job.cache)
+            job.cache = None
+        for cache in caches:
+            if self.batch is None or self.batch.batch == 0:
+                self.batch = cache
+            else:
+                self.batch.splice(cache)
+        with self.cond:  # (tests wait for rows to join)
+            self.active.extend(joining)
+            self.cond.notify_all()
+        for job in live:
+            if job.done:
+                self._finish(job)
+
+    def _guard(self, works: list, fn: Callable[[], Any]) -> bool:
+        """``fn()``; a refusal or a failure goes to ``works``' clients, not to the others."""
         try:
-            if isinstance(work, Call):
-                work.outbox.put("result", work.fn())
-                return
-            self._prefill(work)
-        except APIError as exc:
+            fn()
+            return True
+        except Exception as exc:
+            self._fail(works, exc)
+            return False
+
+    def _fail(self, works: list, exc: Exception) -> None:
+        if not isinstance(exc, APIError):
+            traceback.print_exc(file=sys.stderr)
+            exc = APIError(500, f"internal error: {type(exc).__name__}")
+        for work in works:
             self._release(work)
             work.outbox.put("error", exc)
-        except Exception as exc:
-            traceback.print_exc(file=sys.stderr)
-            self._release(work)
-            work.outbox.put("error", APIError(500, f"internal error: {type(exc).__name__}"))
 
-    def _prefill(self, job: Job) -> None:
-        """Read a job's prompts, draw its first tokens, put its rows in the batch."""
+    def _open(self, job: Job) -> None:
+        """A job's rows, generators and echoed prompt; a session's piece read on its
+        memory (its first log-probs and cache kept for ``_admit``)."""
         top = job.logprobs or 0
-        job.generator = torch.Generator(device=self.device).manual_seed(job.seed)
+        # sample j of every prompt draws from its own generator, seeded seed + j, as
+        # txlm generate's: that prompt alone with seed + j draws the same sample
+        job.generators = [
+            torch.Generator(device=self.device).manual_seed(job.seed + j)
+            for _ in job.prompts
+            for j in range(job.n)
+        ]
         echoed: list[tuple[list[float | None], list[dict[int, float] | None]]] = []
-        cache = None
         if job.session is not None:
             reading = read_piece(
                 self.model, self.lengths, self.decoder.cache_dtype, job.session,
                 job.prompts[0], top, self.start_id,
             )  # fmt: skip
             echoed.append((reading.chosen, reading.tops))
-            log_probs, cache = reading.next_log_probs, reading.cache
+            job.first, job.cache = reading.next_log_probs, reading.cache
             self.metrics.session_bytes.set(self.sessions.total_bytes)
-        else:
-            if job.echo:  # the prompts' own log-probs, read as txlm.score reads a text
-                for prompt in job.prompts:
-                    r = read_piece(self.model, self.lengths, self.decoder.cache_dtype,
-                                   Session("echo"), prompt, top, self.start_id)  # fmt: skip
-                    echoed.append((r.chosen, r.tops))
-            if job.max_tokens > 0:
-                held = self.decoder.cache
-                log_probs = self.decoder.prefill(job.prompts, start_id=self.start_id,
-                                                 repeats=job.n)  # fmt: skip
-                cache = self.decoder.cache
-                self.decoder.cache = held
-                assert cache is not None
-                if cache.max_len != 1:
-                    cache = cache.resized(1)
+        elif job.echo:  # the prompts' own log-probs, read as txlm.score reads a text
+            for prompt in job.prompts:
+                r = read_piece(self.model, self.lengths, self.decoder.cache_dtype,
+                               Session("echo"), prompt, top, self.start_id)  # fmt: skip
+                echoed.append((r.chosen, r.tops))
         job.texts = [RowText(self.vocab, p, job.stop) for p in job.prompts for _ in range(job.n)]
         job.finish = [None] * job.rows
         job.outbox.put("prompt", echoed)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
-        if job.max_tokens == 0:
-            job.finish = ["length"] * job.rows
-            self._finish(job)
-            return
-        self._draw(job, log_probs)
-        self.metrics.ttft.observe(time.perf_counter() - job.submitted)
-        if job.done:
-            self._finish(job)
-            return
-        assert cache is not None
-        if self.batch is None or self.batch.batch == 0:
-            self.batch = cache
-        else:
-            self.batch.splice(cache)
-        with self.cond:  # (tests wait for rows to join)
-            self.active.append(job)
-            self.cond.notify_all()
 
-    def _draw(self, job: Job, log_probs: Tensor) -> None:
-        """The job's next token per row from its rows' log-probabilities [R, V]: its own
-        settings and generator, as ``txlm generate`` draws."""
-        noise = draw_noise(job.sampling, job.rows, self.vocab_size, job.generator, self.device)
-        tokens = sample(log_probs, job.sampling, noise=noise)
+    def _read_fresh(self, jobs: list[Job]) -> KVCache:
+        """Read the prompts of jobs without a session in one prefill (left-padded, each row
+        as alone: the decoder's document mask); each job's first log-probs, and one
+        one-token cache of all their rows (each prompt's repeated for its samples)."""
+        held = self.decoder.cache
+        prompts = [p for job in jobs for p in job.prompts]
+        log_probs = self.decoder.prefill(prompts, start_id=self.start_id)
+        cache = self.decoder.cache
+        self.decoder.cache = held
+        assert cache is not None
+        if cache.max_len != 1:
+            cache = cache.resized(1)
+        index, at = [], 0
+        for job in jobs:
+            for i in range(len(job.prompts)):
+                index += [at + i] * job.n
+            at += len(job.prompts)
+        rows = torch.tensor(index, dtype=torch.long)
+        if len(index) != len(prompts):
+            cache.keep_rows(rows)
+        log_probs = log_probs[rows.to(log_probs.device)]
+        at = 0
+        for job in jobs:
+            job.first = log_probs[at : at + job.rows]
+            at += job.rows
+        return cache
+
+    def _draw(self, jobs: list[Job], log_probs: Tensor) -> None:
+        """The next token of every row of ``jobs`` from their log-probabilities [B, V]: each
+        row with its job's settings and its own generator (one draw per setting)."""
+        groups: dict[SamplingConfig, list[int]] = {}
+        generators: list[torch.Generator] = []
+        for job in jobs:
+            at = len(generators)
+            groups.setdefault(job.sampling, []).extend(range(at, at + job.rows))
+            generators.extend(job.generators)
+        tokens = torch.empty(len(generators), dtype=torch.long, device=log_probs.device)
+        for config, rows in groups.items():
+            noise = None
+            if not config.greedy:  # each row's numbers from its own generator, as alone
+                noise = torch.cat([draw_noise(config, 1, self.vocab_size, generators[r],
+                                              self.device) for r in rows])  # fmt: skip
+            index = torch.tensor(rows, device=log_probs.device)
+            tokens[index] = sample(log_probs[index], config, noise=noise)
+        at = 0
+        for job in jobs:
+            self._emit(job, tokens[at : at + job.rows], log_probs[at : at + job.rows])
+            at += job.rows
+
+    def _emit(self, job: Job, tokens: Tensor, log_probs: Tensor) -> None:
+        """Hand a job's new tokens out (text, log-probs); rows that end are marked."""
         job.last = tokens
         job.steps += 1
         ids = tokens.tolist()
@@ -325,10 +416,7 @@ class Engine:
         log_probs = self.decoder.step(ids)
         self.batch = self.decoder.cache
         self.metrics.batch_size.set(ids.numel())
-        at = 0
-        for job in self.active:
-            self._draw(job, log_probs[at : at + job.rows])
-            at += job.rows
+        self._draw(self.active, log_probs)
         self.metrics.token_latency.observe(time.perf_counter() - began)
         for job in self.active:
             if job.done:
