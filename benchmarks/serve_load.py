@@ -12,11 +12,14 @@ tokens against resending the whole text. Ratios are what to read; the JSON holds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +46,24 @@ def checkpoint(directory: Path, preset: str) -> Path:
     torch.manual_seed(0)
     model = TransformerXL(ModelConfig.from_preset(preset, vocab_size=len(vocab), dropout=0.0))
     return txlm.save(spread_weights(model, 0.05), directory, vocab_json=vocab.to_json())
+
+
+@contextlib.contextmanager
+def server(path: Path, max_batch: int, threads: int):
+    """``txlm serve`` in its own process (the clients here do not share its interpreter)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    argv = [sys.executable, "-m", "txlm", "serve", str(path), "--port", "0", "--device", "cpu",
+            "--threads", str(threads), "--max-batch", str(max_batch),
+            "--max-prompt-tokens", str(10**6)]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        if " at http" not in line:
+            raise SystemExit(f"txlm serve did not start: {line!r}")
+        yield line.split(" at ")[1].strip()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
 
 
 def stream_one(http, prompt: str, tokens: int, seed: int) -> tuple[float, float, int]:
@@ -76,11 +97,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     import httpx
-    from tests.helpers.serve import serving
 
     from txlm.checkpoints.checkpoint import Checkpoint
     from txlm.inference.generate import generate
-    from txlm.serve.config import ServeConfig
 
     prompt = "ROMEO: but soft, what light through yonder window breaks"
     result: dict = {
@@ -94,10 +113,12 @@ def main() -> int:
         model, vocab, lengths = ckpt.load_model("cpu"), ckpt.vocab(), ckpt.lengths()
         ids = vocab.encode(prompt)
         clients = [int(c) for c in args.clients.split(",")]
-        with serving(path, ServeConfig(max_batch=max(clients), max_tokens=100000,
-                                       max_prompt_tokens=10**6)) as s, httpx.Client(
-            base_url=s.url, timeout=600, limits=httpx.Limits(max_connections=64)
-        ) as http:  # fmt: skip
+        with (
+            server(path, max(clients), torch.get_num_threads()) as url,
+            httpx.Client(
+                base_url=url, timeout=600, limits=httpx.Limits(max_connections=64)
+            ) as http,
+        ):
             stream_one(http, prompt, 4, 0)  # warm up
             for k in clients:
                 began = time.perf_counter()
@@ -148,5 +169,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    threading.current_thread().name = "serve_load"
     sys.exit(main())
