@@ -125,3 +125,39 @@ def test_a_full_queue_answers_429_with_retry_after(lm_path):
         engine.admitting.set()
         waiting.join(TIMEOUT)
         assert results[0].status_code == 200
+
+
+def test_health_and_routes_answer_503_while_the_model_loads(lm_path):
+    from fastapi.testclient import TestClient
+
+    from txlm.serve.application import create_app
+    from txlm.serve.service import Service
+
+    service = Service(lm_path, device="cpu")
+    http = TestClient(create_app(service))  # outside a `with`: no lifespan, nothing loads
+    assert http.get("/health").status_code == 503
+    r = http.post("/v1/completions", json={"prompt": "a"})
+    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+
+
+def test_a_request_over_its_time_cap_is_504_and_leaves(lm_path):
+    with (
+        serving(lm_path, ServeConfig(request_timeout=0.5)) as s,
+        httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
+    ):
+        engine = s.engine
+        engine.admitting.clear()  # nothing can be answered: the cap is what ends the request
+        r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 504 and "--request-timeout" in r.json()["error"]["message"]
+        engine.admitting.set()
+        assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).is_success
+
+
+def test_bad_command_lines_are_one_line_and_exit_2(tmp_path, capsys):
+    from txlm.cli import main
+
+    assert main(["serve", str(tmp_path / "nothing")]) == 2
+    assert main(["serve", str(tmp_path / "nothing"), "--max-batch", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("txlm: error: ") for line in err)
+    assert "--max-batch" in err[1]
