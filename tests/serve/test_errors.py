@@ -15,6 +15,8 @@ from txlm.serve.config import ServeConfig
 BAD = [
     # (body or raw bytes, status, words the message holds, the field)
     (b"{not json", 400, "not valid JSON", None),
+    (b"[" * 100000, 400, "not valid JSON", None),
+    (b"\xff\xfe", 400, "not valid JSON", None),
     ([1, 2], 400, "JSON object", None),
     ({}, 400, "'prompt' is required", "prompt"),
     ({"prompt": 3}, 400, "'prompt' must be", "prompt"),

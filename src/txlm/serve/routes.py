@@ -35,7 +35,7 @@ async def read_json(request: Request, cap: int) -> Any:
             raise APIError(413, f"the body is over the cap of {cap} bytes (--max-body-bytes)")
     try:
         return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # (a JSONDecodeError is a ValueError)
         raise bad(f"the body is not valid JSON: {exc}") from None
 
 
@@ -174,7 +174,7 @@ def build_router(service: Service) -> APIRouter:
             raise APIError(413, f"the body is over the cap of {limits.max_body_bytes} bytes")
         try:
             body = json.loads(raw) if raw.strip() else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:
             raise bad(f"the body is not valid JSON: {exc}") from None
         if not isinstance(body, dict) or set(body) - {"id"}:
             raise bad("POST /v1/sessions takes an optional 'id' only")

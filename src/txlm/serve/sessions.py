@@ -65,7 +65,7 @@ class SessionStore:
         self.max_sessions, self.max_bytes = max_sessions, max_bytes
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._evicted: OrderedDict[str, None] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (eviction reads the total under it)
         self.on_change = lambda store: None  # metrics
 
     def create(self, sid: str | None = None) -> Session:
@@ -128,7 +128,8 @@ class SessionStore:
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self._sessions.values())
+        with self._lock:
+            return sum(s.nbytes for s in self._sessions.values())
 
     def _evict(self) -> None:
         """Drop idle sessions, oldest use first, until both caps hold (a busy one stays)."""
