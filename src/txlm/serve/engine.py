@@ -52,14 +52,32 @@ class Token:
 
 
 class Outbox:
-    """Events of one request, handed from the engine's thread to the event loop."""
+    """Events of one request, handed from the engine's thread to the event loop: posted
+    during a step and delivered together after it (``deliver``), one wake-up of the loop
+    per step rather than one per request and token (each wake-up hands the interpreter's
+    lock to the loop's thread and back)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.queue = loop, asyncio.Queue()
 
     def put(self, kind: str, data: Any = None) -> None:
+        """Deliver one event now."""
+        deliver([(self, kind, data)])
+
+
+def _hand_over(events: list[tuple[Outbox, str, Any]]) -> None:
+    for outbox, kind, data in events:
+        outbox.queue.put_nowait((kind, data))
+
+
+def deliver(events: list[tuple[Outbox, str, Any]]) -> None:
+    """Put ``events`` in their queues, one call into each event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+    for event in events:
+        by_loop.setdefault(event[0].loop, []).append(event)
+    for loop, mine in by_loop.items():
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody is listening
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, data))
+            loop.call_soon_threadsafe(_hand_over, mine)
 
 
 @dataclass(eq=False)
@@ -142,6 +160,7 @@ class Engine:
         # tests: cleared, the engine admits nothing (requests queue up) until it is set again
         self.admitting = threading.Event()
         self.admitting.set()
+        self._mail: list[tuple[Outbox, str, Any]] = []  # this step's events (``_post``)
         self.thread = threading.Thread(target=self._run, name="txlm-serve-engine", daemon=True)
 
     # -- the event loop's side ----------------------------------------------------------
@@ -179,6 +198,14 @@ class Engine:
             self.thread.join(timeout)
 
     # -- the engine's thread ------------------------------------------------------------
+    def _post(self, outbox: Outbox, kind: str, data: Any = None) -> None:
+        self._mail.append((outbox, kind, data))
+
+    def _send(self) -> None:
+        mail, self._mail = self._mail, []
+        if mail:
+            deliver(mail)
+
     def _run(self) -> None:
         with torch.inference_mode(), self.precision_context():
             while True:
@@ -191,6 +218,7 @@ class Engine:
                     started = [w for w in admit if isinstance(w, Job) and w not in self.active]
                     self._fail([j for j in started if not j.done], exc)
                 self._leave()
+                self._send()
                 if self.active:
                     if self.step_hook is not None:
                         self.step_hook(self)
@@ -198,12 +226,14 @@ class Engine:
                         self._step()
                     except Exception as exc:  # a bug: every running request is told, none hangs
                         self._fail_all(exc)
+                    self._send()
         shutdown = APIError(503, "the server is shutting down")
         for job in [*self.active, *self.pending]:
             self._release(job)
-            job.outbox.put("error", shutdown)
+            self._post(job.outbox, "error", shutdown)
         self.active.clear()
         self.pending.clear()
+        self._send()
 
     def _wait(self) -> list[Job | Call] | None:
         """Wait for work; take the waiting jobs that fit the batch, first come first."""
@@ -231,7 +261,7 @@ class Engine:
             if work.cancelled:
                 self._release(work)
             elif isinstance(work, Call):
-                self._guard([work], lambda work=work: work.outbox.put("result", work.fn()))
+                self._guard([work], lambda work=work: self._post(work.outbox, "result", work.fn()))
             elif self._guard([work], lambda work=work: self._open(work)):
                 jobs.append(work)
         fresh = [j for j in jobs if j.session is None and j.max_tokens > 0]
@@ -299,7 +329,7 @@ class Engine:
             exc = APIError(500, f"internal error: {type(exc).__name__}")
         for work in works:
             self._release(work)
-            work.outbox.put("error", exc)
+            self._post(work.outbox, "error", exc)
 
     def _open(self, job: Job) -> None:
         """A job's rows, generators and echoed prompt; a session's piece read on its
@@ -328,7 +358,7 @@ class Engine:
                 echoed.append((r.chosen, r.tops))
         job.texts = [RowText(self.vocab, p, job.stop) for p in job.prompts for _ in range(job.n)]
         job.finish = [None] * job.rows
-        job.outbox.put("prompt", echoed)
+        self._post(job.outbox, "prompt", echoed)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in job.prompts))
 
     def _read_fresh(self, jobs: list[Job]) -> KVCache:
@@ -406,7 +436,7 @@ class Engine:
             elif final:
                 job.finish[r] = "length"
         self.metrics.generated_tokens.inc(len(out))
-        job.outbox.put("tokens", out)
+        self._post(job.outbox, "tokens", out)
 
     def _step(self) -> None:
         """One decoding step of every row in the batch."""
@@ -452,7 +482,7 @@ class Engine:
             job.session.tail += written
             job.session.tokens += len(written)
         self._release(job)
-        job.outbox.put("done", job.finish)
+        self._post(job.outbox, "done", job.finish)
 
     def _release(self, work: Job | Call) -> None:
         session = getattr(work, "session", None)
@@ -464,5 +494,5 @@ class Engine:
         error = APIError(500, f"internal error: {type(exc).__name__}")
         for job in self.active:
             self._release(job)
-            job.outbox.put("error", error)
+            self._post(job.outbox, "error", error)
         self.active, self.batch = [], None
