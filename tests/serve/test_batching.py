@@ -91,3 +91,35 @@ def test_a_client_that_goes_away_frees_its_row(server, http):
         assert engine.cond.wait_for(lambda: not engine.active, TIMEOUT)
     ok = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200
+
+
+def test_a_request_that_fails_inside_the_engine_leaves_the_others_alone(
+    lm_path, offline, monkeypatch
+):
+    from txlm.serve import engine as engine_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a fault in reading one request")
+
+    monkeypatch.setattr(engine_module, "read_piece", broken)  # what echo reads prompts with
+    with (
+        serving(lm_path) as s,
+        httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
+        ThreadPoolExecutor(3) as pool,
+    ):
+        engine = s.engine
+        engine.admitting.clear()  # the three are admitted together, into one batch
+        bodies = [
+            {"prompt": "ROMEO:", "max_tokens": 6, "seed": 1},
+            {"prompt": "ROMEO:", "max_tokens": 6, "echo": True, "logprobs": 0, "seed": 1},
+            {"prompt": "to be", "max_tokens": 9, "seed": 2},
+        ]
+        futures = [pool.submit(http.post, "/v1/completions", json=b) for b in bodies]
+        with engine.cond:
+            assert engine.cond.wait_for(lambda: len(engine.pending) == 3, TIMEOUT)
+        engine.admitting.set()
+        first, failed, third = (f.result(TIMEOUT) for f in futures)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["message"] == "internal error: RuntimeError"
+    assert first.json()["choices"][0]["text"] == _offline(offline, "ROMEO:", 6, {}, 1, 1)[0]
+    assert third.json()["choices"][0]["text"] == _offline(offline, "to be", 9, {}, 1, 2)[0]
