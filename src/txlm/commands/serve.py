@@ -12,7 +12,7 @@ import signal
 import socket
 
 from txlm.commands.options import add_device_options, apply_threads
-from txlm.errors import ConfigError
+from txlm.errors import CheckpointError, ConfigError, TxlmError
 from txlm.serve.config import ServeConfig
 
 
@@ -88,9 +88,14 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     settings = uvicorn.Config(create_app(service), log_level="warning", lifespan="on")
     server = _server(settings, service)
+    service.on_failure = lambda: setattr(server, "should_exit", True)
     print(f"txlm: serving {service.name} at http://{shown}:{port}", flush=True)
     with sock:
         server.run(sockets=[sock])
+    if service.error is not None:  # the model did not load: the server stopped at once
+        if isinstance(service.error, TxlmError):
+            raise service.error
+        raise CheckpointError(f"cannot load {args.checkpoint}: {service.failed}")
     return 0
 
 

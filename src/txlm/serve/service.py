@@ -17,6 +17,7 @@ from txlm.checkpoints.convert import text_options
 from txlm.classify.predict import is_classifier, load_classifier
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
+from txlm.errors import TxlmError
 from txlm.inference.prompts import encode_prompt, start_token
 from txlm.serve.config import ServeConfig
 from txlm.serve.engine import Engine
@@ -53,7 +54,9 @@ class Service:
         self.sessions = SessionStore(self.config.max_sessions, self.config.max_session_bytes)
         self.sessions.on_change = self._count_sessions
         self.ready = threading.Event()
-        self.failed: str | None = None
+        self.failed: str | None = None  # why the model did not load
+        self.error: Exception | None = None
+        self.on_failure = lambda: None  # the command stops its server: one line, exit 2
         self.model: Any = None
         self.vocab: Any = None
         self.engine: Engine | None = None
@@ -74,9 +77,11 @@ class Service:
     def _load(self) -> None:
         try:
             self.load()
-        except Exception as exc:  # reported by /health and on stderr; the server stays up
-            traceback.print_exc(file=sys.stderr)
-            self.failed = f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # reported by /health; the command then exits 2
+            if not isinstance(exc, TxlmError):
+                traceback.print_exc(file=sys.stderr)
+            self.error, self.failed = exc, str(exc)
+            self.on_failure()
 
     def load(self) -> None:
         if self.task == "classify":
