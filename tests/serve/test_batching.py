@@ -14,11 +14,11 @@ from txlm.serve.config import ServeConfig
 
 REQUESTS = [  # prompt, max_tokens, settings, n
     ("ROMEO:", 12, {}, 1),
-    ("a longer prompt of more than one segment of sixteen tokens, and more", 20, {}, 2),
+    ("a longer prompt of more than one segment of sixteen tokens, and more", 14, {}, 2),
     ("to be", 5, {"temperature": 0}, 1),
     ("or not to be, that is", 17, {"temperature": 0.8, "top_p": 0.9}, 3),
     ("x", 9, {"top_k": 3}, 1),
-    ("the question whether tis nobler in the mind", 30, {"top_k": 10}, 2),
+    ("the question whether tis nobler in the mind", 20, {"top_k": 10}, 2),
     ("", 8, {}, 1),
     ("suffer the slings", 14, {"temperature": 1.3}, 1),
     ("and arrows", 11, {}, 2),
