@@ -38,7 +38,7 @@ def _offline(offline, prompt, max_tokens, settings, n, seed):
             temperature=temperature or 1.0, greedy=temperature == 0,
             start_id=start_token(vocab),
         )[0])
-        for j in range(n)  # sample j: the prompt alone with seed + j
+        for j in range(n)  # row j: the prompt alone with seed + j
     ]  # fmt: skip
 
 

@@ -14,7 +14,8 @@ PROMPT = "ROMEO: the quick brown fox jumps over the lazy dog, and then"  # > tgt
 
 
 def offline_text(offline, prompt, *, max_tokens, seed, n=1, **settings):
-    """``txlm generate``'s samples: sample j of a prompt is that prompt alone with seed + j."""
+    """``txlm generate``'s samples: row r of a request draws as its prompt alone with
+    seed + r (here one prompt: sample j is row j)."""
     model, vocab, lengths = offline
     ids = vocab.encode(prompt)
     return [
@@ -47,13 +48,15 @@ def test_prompt_lists_and_token_ids_read_as_each_prompt_alone(client, offline):
     vocab = offline[1]
     prompts = ["ROMEO:", "a much longer prompt that spans two segments of the debug model"]
     got = client.completions.create(model="lm", prompt=prompts, max_tokens=10, seed=3, n=2)
-    want = [t for p in prompts for t in offline_text(offline, p, max_tokens=10, seed=3, n=2)]
-    assert [c.text for c in got.choices] == want  # prompt-major, as txlm generate's rows
+    # rows prompt-major, as txlm generate's: row r draws with seed + r
+    want = [t for i, p in enumerate(prompts)
+            for t in offline_text(offline, p, max_tokens=10, seed=3 + 2 * i, n=2)]  # fmt: skip
+    assert [c.text for c in got.choices] == want
     ids = vocab.encode(prompts[1])
-    by_ids = client.completions.create(model="lm", prompt=[ids, ids[:5]], max_tokens=10, seed=3)
+    by_ids = client.completions.create(model="lm", prompt=[ids, ids[:5]], max_tokens=10, seed=5)
     assert by_ids.choices[0].text == want[2]
     assert by_ids.choices[1].text == offline_text(offline, prompts[1][:5], max_tokens=10,
-                                                  seed=3)[0]  # fmt: skip
+                                                  seed=6)[0]  # fmt: skip
 
 
 def test_echoed_log_probs_equal_score(client, offline):

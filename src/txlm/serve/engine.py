@@ -335,12 +335,10 @@ class Engine:
         """A job's rows, generators and echoed prompt; a session's piece read on its
         memory (its first log-probs and cache kept for ``_admit``)."""
         top = job.logprobs or 0
-        # sample j of every prompt draws from its own generator, seeded seed + j, as
-        # txlm generate's: that prompt alone with seed + j draws the same sample
+        # row r (prompt-major) draws from its own generator, seeded seed + r, as txlm
+        # generate's rows: its prompt alone with seed + r draws the same sample
         job.generators = [
-            torch.Generator(device=self.device).manual_seed(job.seed + j)
-            for _ in job.prompts
-            for j in range(job.n)
+            torch.Generator(device=self.device).manual_seed(job.seed + r) for r in range(job.rows)
         ]
         echoed: list[tuple[list[float | None], list[dict[int, float] | None]]] = []
         if job.session is not None:
