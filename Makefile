@@ -6,7 +6,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: run test test-random test-portable stress setup lint format bench clean
+.PHONY: run test test-random test-portable stress setup lint format bench clean browser
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -84,6 +84,16 @@ stress: $(STAMP)
 			|| { tail -40 "$$scratch/run.log"; echo "stress: run $$i of $(STRESS_RUNS) FAILED"; exit 1; }; \
 		echo "stress: run $$i of $(STRESS_RUNS) passed: $$(tail -1 "$$scratch/run.log")"; \
 	done
+
+# The headless browser of tests/serve/test_page.py (Debian's chromium and its driver); the
+# test skips and says why where neither is installed.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then \
+		echo "browser: chromium and chromedriver present"; \
+	else \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends chromium \
+			chromium-driver; } || echo "browser: not installed; the page's test will skip"; \
+	fi
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -22,6 +22,7 @@ COMMANDS = [
     "txlm.commands.eval",
     "txlm.commands.classify",
     "txlm.commands.generate",
+    "txlm.commands.serve",
     "txlm.commands.convert",
     "txlm.commands.analysis",
     "txlm.commands.info",

@@ -316,3 +316,46 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=0.1, rtol=0)
     assert (got - ref).abs().max() > 0  # bf16 really ran
+
+
+def test_spliced_rows_decode_as_each_alone():
+    """KVCache.splice / keep_rows (continuous batching): a prompt read at another time and
+    spliced into a running batch, past a full ring, gives the log-probs it gives alone; a row
+    that leaves leaves the others as they were."""
+    from tests.helpers.models import debug_model
+    from txlm.inference.decode import Decoder
+
+    model = debug_model(std=0.1)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 40))
+
+    def alone(prompt, steps):
+        d = Decoder(model)
+        lp = d.prefill([prompt])
+        for _ in range(steps):
+            lp = d.step(lp.argmax(-1))
+        return lp[0]
+
+    d = Decoder(model)
+    lp_a = d.prefill([a])
+    batch = d.cache.resized(1)
+    token_a = lp_a.argmax(-1)
+    for _ in range(3):  # the batch runs on before b joins
+        d.cache = batch
+        token_a = d.step(token_a).argmax(-1)
+    lp_b = d.prefill([b])
+    joined = d.cache.resized(1)
+    with torch.inference_mode():
+        batch.splice(joined)
+    ids = torch.cat([token_a, lp_b.argmax(-1)])
+    for _ in range(20):  # both past the memory (16): the ring wraps
+        d.cache = batch
+        lp = d.step(ids)
+        ids = lp.argmax(-1)
+    # another batch shape and a mask: float32 rounding, not bits
+    torch.testing.assert_close(lp[0], alone(a, 23), atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp[1], alone(b, 20), atol=1e-5, rtol=0)
+    with torch.inference_mode():
+        batch.keep_rows(torch.tensor([1]))
+    d.cache = batch
+    torch.testing.assert_close(d.step(ids[1:])[0], alone(b, 21), atol=1e-5, rtol=0)

@@ -306,3 +306,45 @@ class KVCache:
         self.kv = self.kv.repeat_interleave(repeats, dim=2)  # [N, 2, B, H, S, Dh]
         self.doc = self.doc.repeat_interleave(repeats, dim=0)
         self.open_doc = self.open_doc.repeat_interleave(repeats, dim=0)
+
+    def keep_rows(self, index: Tensor) -> None:
+        """Keep only the rows ``index`` [B'] (in that order), their keys, values and
+        document state: rows that leave a batch. Positions and tables are shared and stay."""
+        index = index.to(self.kv.device)
+        self.kv = self.kv.index_select(2, index)
+        self.doc = self.doc.index_select(0, index)
+        self.open_doc = self.open_doc.index_select(0, index)
+
+    def splice(self, other: KVCache) -> None:
+        """Append ``other``'s rows to this cache, their memory aligned to this cache's
+        position: rows that join a batch between steps (continuous batching).
+
+        Only distances enter attention (relative positions), so ``other``'s M' newest
+        positions u - M' .. u - 1 are written to the slots of this cache's positions
+        t - M' .. t - 1; the slots before them are hidden from the new rows by their
+        document ids, and slots this cache never wrote get positions (older than t, slot
+        order kept) hidden from every old row the same way. Each row then sees exactly the
+        keys it saw alone, at the same distances. Both caches: one-token (eager) caches of
+        the same lengths, dtype and device."""
+        if other.slots != self.slots or other.lengths != self.lengths:
+            raise ValueError("splice needs caches of the same lengths and slots")
+        self._sync()
+        other._sync()
+        t, u, m = int(self.next_pos), int(other.next_pos), other.length
+        slot_ids = self._slot_ids
+        never = self.pos == _EMPTY
+        # every slot a position: the newest p < t with p = slot mod S (negative if unwritten)
+        self.pos.copy_(t - 1 - (t - 1 - slot_ids) % self.slots)
+        self.doc[:, never] = self.open_doc[:, None] - 1
+        src = torch.arange(u - m, u, device=self.pos.device)
+        dst = (src - u + t) % self.slots
+        src = src % other.slots
+        rows = other.batch
+        kv = torch.zeros_like(self.kv[:, :, :1]).expand(-1, -1, rows, -1, -1, -1).clone()
+        kv[..., dst, :] = other.kv[..., src, :]
+        doc = (other.open_doc[:, None] - 1).expand(rows, self.slots).clone()
+        doc[:, dst] = other.doc[:, src]
+        self.kv = torch.cat([self.kv, kv], dim=2)
+        self.doc = torch.cat([self.doc, doc], dim=0)
+        self.open_doc = torch.cat([self.open_doc, other.open_doc], dim=0)
+        self.per_row = True  # the rows' histories differ: the mask is per row from now on

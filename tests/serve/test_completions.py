@@ -1,0 +1,131 @@
+"""/v1/completions through the ``openai`` client against a real server: the same ids as
+``txlm generate`` for the same seed and settings, echoed log-probs equal to ``txlm.score``,
+streaming, ``n``, ``stop``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from txlm.inference.generate import generate
+from txlm.inference.score import score
+
+PROMPT = "ROMEO: the quick brown fox jumps over the lazy dog, and then"  # > tgt_len + mem_len
+
+
+def offline_text(offline, prompt, *, max_tokens, seed, n=1, **settings):
+    """``txlm generate``'s samples: row r of a request draws as its prompt alone with
+    seed + r (here one prompt: sample j is row j)."""
+    model, vocab, lengths = offline
+    ids = vocab.encode(prompt)
+    return [
+        vocab.decode(generate(model, ids, max_new_tokens=max_tokens, seed=seed + j,
+                              lengths=lengths, **settings)[0])
+        for j in range(n)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "settings, offline_settings",
+    [
+        ({}, {}),  # temperature 1, top_k 40: txlm generate's defaults
+        ({"temperature": 0}, {"greedy": True}),
+        ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_p": 0.9}),
+        ({"extra_body": {"top_k": 5}}, {"top_k": 5}),
+    ],
+)
+def test_same_ids_as_generate(client, offline, settings, offline_settings):
+    got = client.completions.create(model="lm", prompt=PROMPT, max_tokens=24, seed=7, n=2,
+                                    **settings)  # fmt: skip
+    want = offline_text(offline, PROMPT, max_tokens=24, seed=7, n=2, **offline_settings)
+    assert [c.text for c in got.choices] == want
+    assert [c.finish_reason for c in got.choices] == ["length", "length"]
+    assert got.usage.prompt_tokens == len(PROMPT)
+    assert got.usage.completion_tokens == 48
+
+
+def test_prompt_lists_and_token_ids_read_as_each_prompt_alone(client, offline):
+    vocab = offline[1]
+    prompts = ["ROMEO:", "a much longer prompt that spans two segments of the debug model"]
+    got = client.completions.create(model="lm", prompt=prompts, max_tokens=10, seed=3, n=2)
+    # rows prompt-major, as txlm generate's: row r draws with seed + r
+    want = [t for i, p in enumerate(prompts)
+            for t in offline_text(offline, p, max_tokens=10, seed=3 + 2 * i, n=2)]  # fmt: skip
+    assert [c.text for c in got.choices] == want
+    ids = vocab.encode(prompts[1])
+    by_ids = client.completions.create(model="lm", prompt=[ids, ids[:5]], max_tokens=10, seed=5)
+    assert by_ids.choices[0].text == want[2]
+    assert by_ids.choices[1].text == offline_text(offline, prompts[1][:5], max_tokens=10,
+                                                  seed=6)[0]  # fmt: skip
+
+
+def test_echoed_log_probs_equal_score(client, offline):
+    model, vocab, lengths = offline
+    got = client.completions.create(model="lm", prompt=PROMPT, max_tokens=0, echo=True,
+                                    logprobs=3)  # fmt: skip
+    lp = got.choices[0].logprobs
+    assert got.choices[0].text == PROMPT
+    assert lp.tokens == list(PROMPT)
+    assert lp.token_logprobs[0] is None  # the first token has no context
+    want = score(model, vocab.encode(PROMPT), tgt_len=lengths.tgt_len, mem_len=lengths.mem_len)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-5, rtol=0)
+    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert len(top) == 3 and max(top.values()) >= chosen - 1e-6
+    assert got.usage.completion_tokens == 0
+
+
+def test_generated_log_probs_are_the_models(client, offline):
+    got = client.completions.create(model="lm", prompt="ROMEO:", max_tokens=6, seed=1,
+                                    logprobs=2, echo=True)  # fmt: skip
+    model, vocab, lengths = offline
+    text = got.choices[0].text
+    assert text.startswith("ROMEO:")
+    lp = got.choices[0].logprobs
+    want = score(model, vocab.encode(text), tgt_len=lengths.tgt_len, mem_len=lengths.mem_len)
+    # (the prompt read as txlm.score reads it, each new token from a decoding step)
+    torch.testing.assert_close(torch.tensor(lp.token_logprobs[1:]), want, atol=1e-4, rtol=0)
+    assert lp.text_offset == list(range(len(text)))
+
+
+def test_stream_gives_the_same_text_and_ends_with_done(client, http, offline):
+    chunks = list(client.completions.create(model="lm", prompt=PROMPT, max_tokens=20, seed=5,
+                                            n=2, stream=True))  # fmt: skip
+    texts = ["", ""]
+    finish = [None, None]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == offline_text(offline, PROMPT, max_tokens=20, seed=5, n=2)
+    assert finish == ["length", "length"]
+    raw = http.post(
+        "/v1/completions",
+        json={
+            "prompt": "ab",
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = [e for e in raw.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    assert '"usage": {"prompt_tokens": 2, "completion_tokens": 3' in events[-2]
+
+
+def test_stop_strings_end_the_text_before_them(client, offline):
+    full = offline_text(offline, PROMPT, max_tokens=40, seed=11)[0]
+    stop = next(ch for ch in full[5:] if ch.strip())  # a symbol that occurs after a while
+    cut = full[: full.index(stop)]
+    got = client.completions.create(model="lm", prompt=PROMPT, max_tokens=40, seed=11,
+                                    stop=[stop, "never"])  # fmt: skip
+    assert got.choices[0].text == cut
+    assert got.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model="lm", prompt=PROMPT, max_tokens=40, seed=11, stop=[stop], stream=True
+        )
+        if c.choices
+    )
+    assert streamed == cut
