@@ -192,6 +192,7 @@ def open_classes(
             )
     meta = {
         "dataset": f"{PREFIX}{root}",
+        "source": f"{PREFIX}{root.resolve()}",  # the same folder from any working directory
         "labels": labels,
         "split": how,
         "vocab_fingerprint": vocab.fingerprint,

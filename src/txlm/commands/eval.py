@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from txlm import resources
     from txlm.checkpoints.checkpoint import Checkpoint
+    from txlm.checkpoints.dataset import dataset_of
     from txlm.data import open_corpus
     from txlm.errors import CheckpointError
     from txlm.inference.evaluate import evaluate_tokens
@@ -94,12 +95,12 @@ def run(args: argparse.Namespace) -> int:
     if ckpt.data.get("task") == "classify":  # accuracy, per-class scores: eval_classifier
         from txlm.commands import eval_classifier
 
-        return eval_classifier.run(args, ckpt.data)
+        return eval_classifier.run(args, ckpt)
     train = ckpt.train_config or {}
-    data = train.get("data") or {}
-    dataset = args.dataset or data.get("dataset")
-    if not dataset:
+    ref = dataset_of(ckpt, dataset=args.dataset, data_dir=args.data_dir)
+    if ref is None:
         raise CheckpointError(f"{ckpt.path} does not name its dataset: pass --dataset")
+    dataset = ref.name
     fingerprint = ckpt.vocab_fingerprint
     if fingerprint is None:
         raise CheckpointError(
@@ -109,9 +110,11 @@ def run(args: argparse.Namespace) -> int:
     lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len, args.same_length)
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     corpus = open_corpus(
-        dataset,
-        args.data_dir or data.get("data_dir"),
-        level=data.get("level"),
+        ref.source,
+        ref.data_dir,
+        level=ref.level,
+        vocab=ref.vocab,  # a fine-tune's corpus: encoded with the checkpoint's vocabulary
+        lower_case=ref.lower_case,
         fingerprint=fingerprint,
         owner=str(ckpt.path),
         log=_note,  # on stderr, so --json output stays one object

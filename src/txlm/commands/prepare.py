@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         args.data_dir,
         level=args.level,
         force=args.force,
+        replace=True,  # the one command that rebuilds a copy that is out of date
         mirror=args.mirror,
         # bars only on a terminal: in a log file each refresh would be another line
         progress=not args.no_progress and sys.stderr.isatty(),

@@ -58,6 +58,7 @@ from txlm import atomic, resources
 from txlm.checkpoints import checkpoint
 from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.checkpoints.convert import text_options
+from txlm.checkpoints.dataset import dataset_record
 from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
@@ -140,10 +141,10 @@ class Trainer:
         # task: classify: labelled documents (classes:DIR) in place of the token corpus
         self.task = _classify_task(config, given_vocab, self.dist, self.echo)
         if self.task is None:
+            lower_case = bool(self.init and self.init.get("text", {}).get("lower_case"))
             self.corpus = open_training_corpus(
-                config, self.dist, echo=self.echo, vocab=given_vocab,
-                lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
-            )  # fmt: skip
+                config, self.dist, echo=self.echo, vocab=given_vocab, lower_case=lower_case
+            )
             self.vocab = self.corpus.vocab
             self.unknown = unknown_shares(self.corpus) if self.init is not None else None
             self.metric = self.corpus.metric
@@ -211,12 +212,14 @@ class Trainer:
                 "vocab_fingerprint": self.vocab.fingerprint,
                 **(
                     {
-                        "dataset": {
-                            "name": config.data.dataset,
-                            "prepared": self.corpus.meta.get("name"),
-                            "level": self.corpus.level,
-                            "metric": self.metric,
-                        }
+                        "dataset": dataset_record(
+                            config.data.dataset,
+                            self.corpus.path,
+                            level=self.corpus.level,
+                            metric=self.metric,
+                            given_vocab=given_vocab is not None,
+                            lower_case=lower_case,
+                        )
                     }
                     if self.task is None
                     else self.task.run_info(self.model)  # task, labels, the split
