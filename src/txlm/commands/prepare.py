@@ -123,11 +123,19 @@ def run(args: argparse.Namespace) -> int:
     cutoffs = (corpus.meta.get("adaptive_softmax") or {}).get("suggested_cutoffs")
     if cutoffs is not None:
         summary["suggested_cutoffs"] = cutoffs
+    skipped = (corpus.meta.get("corpus") or {}).get("skipped_empty") or []
+    if skipped:
+        summary["skipped_empty"] = skipped
     if args.json:
         print(json.dumps(summary))
         return 0
     if corpus.reused:
         print(f"{path}: an up-to-date copy was there, reused it (--force rebuilds)")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (
+            f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        )
+        print(f"skipped {len(skipped)} empty document(s) (nothing but whitespace): {shown}")
     counts = ", ".join(f"{k} {v:,}" for k, v in splits.items())
     asked = ""
     if "vocab_size" in options and options["vocab_size"] != len(corpus.vocab):
