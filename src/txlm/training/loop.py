@@ -149,7 +149,8 @@ class Trainer:
             self.unknown = unknown_shares(self.corpus) if self.init is not None else None
             self.metric = self.corpus.metric
         else:
-            self.vocab, self.unknown, self.metric = given_vocab, None, self.task.metric
+            self.vocab, self.metric = given_vocab, self.task.metric
+            self.unknown = self.task.unknown_shares()
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
         if self.task is None:
             self.stream = training_stream(
@@ -466,6 +467,7 @@ class Trainer:
             metric=self.metric,
             to_metric=self._metric_value,
             interval=r.progress_interval,
+            unit="tok" if self.task is None else "doc",  # a classifier's steps count documents
         )
         train_log = TrainLog(
             log, report, metric=self.metric,
@@ -487,13 +489,29 @@ class Trainer:
             return
         c = self.config
         n_params = self.model.num_parameters()
+        unique = {id(p): p for p in self.model.parameters()}.values()  # tied tensors once
+        trainable = sum(p.numel() for p in unique if p.requires_grad)
+        count = f"{n_params / 1e6:.2f}M parameters"
+        if trainable != n_params:  # optim.freeze
+            count += f" ({trainable:,} of {n_params:,} trainable)"
+        # a fine-tune's model is its --init checkpoint's, whatever preset the other sections
+        # came from
+        model = c.preset if self.init is None else f"--init {self.init['path']}"
         print(
-            f"txlm train: {c.preset} on {c.data.dataset} "
+            f"txlm train: {model} on {c.data.dataset} "
             f"({self.task.level if self.task else self.corpus.level} level, "
-            f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+            f"{len(self.vocab)} symbols), {count}, "
             f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
         )
         print("resolved configuration:\n" + _indent(c.to_yaml()))
+        o = c.optim
+        if 0 < o.max_steps < o.warmup_steps:
+            peak = learning_rate(o.max_steps - 1, o)
+            print(
+                f"note: optim.max_steps={o.max_steps} ends inside the warm-up "
+                f"(optim.warmup_steps={o.warmup_steps}): the learning rate rises to {peak:.3g} "
+                f"only, never to optim.lr={o.lr:g}; set optim.warmup_steps below max_steps"
+            )
         if self.init is not None:
             print(
                 f"started from {self.init['path']} (weights sha256 {self.init['weights_sha256']})"
@@ -529,10 +547,17 @@ class Trainer:
             }
         )
         if self.echo:
-            print(
-                f"init valid: loss {result['loss']:.4f}, {self.metric} "
-                f"{result[self.metric]:.4f} over {result['tokens']} tokens"
-            )
+            if "accuracy" in result:  # a classifier's: over documents
+                print(
+                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                    f"{result[self.metric]:.4f}, accuracy {result['accuracy']:.4f} over "
+                    f"{result['documents']} documents"
+                )
+            else:
+                print(
+                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                    f"{result[self.metric]:.4f} over {result['tokens']} tokens"
+                )
 
     def _train(
         self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog

@@ -79,6 +79,19 @@ class ClassifyTask:
                 print(f"txlm train: {len(self.dataset.labels)} labels, {counts} documents; "
                       f"split recorded in {where}")  # fmt: skip
 
+    def unknown_shares(self) -> dict[str, float] | None:
+        """Each split's share of tokens that are the vocabulary's unknown symbol (None: it
+        has none), as a language model's run reports it for its corpus."""
+        unk = self.vocab.unk_id
+        if unk is None:
+            return None
+        shares = {}
+        for split in self.dataset.splits:
+            docs = self.dataset.split(split).docs
+            total = sum(int(d.size) for d in docs)
+            shares[split] = sum(int((d == unk).sum()) for d in docs) / max(total, 1)
+        return shares
+
     # -- what the trainer builds ----------------------------------------------------------
     def classifier_config(self) -> ClassifierConfig:
         c = self.config.classify
