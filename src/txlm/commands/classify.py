@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode text")
     docs = [read_document(path, model.vocab) for path in args.files]  # all checked first
-    probs = predict(model, docs, batch_size=args.batch_size).tolist()
+    # progress on stderr: a bar on a terminal, a line per tenth in a log past a second
+    probs = predict(model, docs, batch_size=args.batch_size, progress=True).tolist()
     labels = model.labels
     for path, p in zip(args.files, probs, strict=True):
         label = labels[max(range(len(labels)), key=lambda i: p[i])]

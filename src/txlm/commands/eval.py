@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
             f"its token ids are those of {dataset}"
         )
     lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len, args.same_length)
-    show = not args.no_progress and not args.json and sys.stderr.isatty()
+    # a bar on a terminal, a line per tenth in a log (stderr); --json: stdout's one object
+    show = not args.no_progress and not args.json
     corpus = open_corpus(
         ref.source,
         ref.data_dir,
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         fingerprint=fingerprint,
         owner=str(ckpt.path),
         log=_note,  # on stderr, so --json output stays one object
-        progress=show,
+        progress=show and sys.stderr.isatty(),
     )
     model = ckpt.load_model(device)
     recorded_rows = (train.get("eval") or {}).get("batch_size")

@@ -59,7 +59,10 @@ def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
     documents = data.split(args.split)
     if not len(documents):
         raise ConfigError(f"{dataset}: the {args.split} split holds no documents")
-    result = evaluate_documents(model, documents, batch_size=args.batch_size or 8)
+    result = evaluate_documents(
+        model, documents, batch_size=args.batch_size or 8,
+        progress=not args.no_progress and not args.json, desc=args.split,
+    )  # fmt: skip
     result.update(checkpoint=str(args.checkpoint), split=args.split, dataset=dataset)
     print(json.dumps(result) if args.json else report(result, args.split))
     return 0

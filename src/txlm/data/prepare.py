@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import shutil
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -135,7 +136,9 @@ def prepare_dataset(
             return out
 
     # 2. Fetch what is remote (verified), then build in a temporary folder.
-    paths = sources.fetch_sources(kind, inputs, downloads, mirror=mirror, progress=progress)
+    paths = sources.fetch_sources(
+        kind, inputs, downloads, mirror=mirror, progress=progress and sys.stderr.isatty()
+    )
     key = sources.input_key(kind, level, options, inputs)
     if not force and is_current(out, key):
         return out

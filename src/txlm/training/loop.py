@@ -529,7 +529,9 @@ class Trainer:
             return
         result = None
         if self.dist.is_main and self.task is not None:
-            result = self.task.evaluate_split(self.model, "valid")
+            result = self.task.evaluate_split(
+                self.model, "valid", progress=self.echo, desc="init valid"
+            )
         elif self.dist.is_main:
             result = evaluate_split(
                 self.model, self.corpus, self.config, "valid", full=True,

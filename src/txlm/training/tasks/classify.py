@@ -154,10 +154,13 @@ class ClassifyTask:
     def metric_value(loss: float) -> float:
         return loss / math.log(2)
 
-    def evaluate_split(self, model: Classifier, split: str) -> dict[str, Any]:
+    def evaluate_split(
+        self, model: Classifier, split: str, *, progress: bool = False, desc: str | None = None
+    ) -> dict[str, Any]:
         result = evaluate_documents(
-            model, self.dataset.split(split), batch_size=self.config.eval.batch_size
-        )
+            model, self.dataset.split(split), batch_size=self.config.eval.batch_size,
+            progress=progress and self.config.run.progress, desc=desc or split,
+        )  # fmt: skip
         result.update(split=split, bits=self.metric_value(result["loss"]))
         return result
 
@@ -172,7 +175,7 @@ class ClassifyTask:
         for split in ("valid", "test"):
             if not len(self.dataset.split(split)):
                 continue
-            result = self.evaluate_split(model, split)
+            result = self.evaluate_split(model, split, progress=echo, desc=f"final {split}")
             summary[split] = result
             if echo:
                 print(
