@@ -59,6 +59,14 @@ def dataset_record(
     }
 
 
+def _path_exists(name: str) -> bool:
+    """Whether a ``text:``/``classes:`` name's path exists from here (a named dataset: yes)."""
+    for prefix in _PATH_PREFIXES:
+        if name.startswith(prefix):
+            return Path(name[len(prefix) :]).expanduser().exists()
+    return True
+
+
 @dataclass(frozen=True)
 class DatasetRef:
     """What to open for a checkpoint's corpus (``txlm.data.open_corpus``'s arguments)."""
@@ -104,8 +112,11 @@ def dataset_of(
     if not here:  # not beside this working directory: where the run was trained
         source = record.get("source") or name
         folder = record.get("data_dir") or folder
+    elif not _path_exists(name):  # its data here, its text files only where it was trained
+        source = record.get("source") or name
     if dataset is not None and dataset not in (name, record.get("source")):
-        source = name = dataset
+        # another dataset: read where this call's data folder is, as any command would
+        source, name, folder = dataset, dataset, data.get("data_dir")
     if data_dir is not None:
         folder = data_dir
     return DatasetRef(

@@ -42,10 +42,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: the run's eval.batch_size, else 1)",
     )  # fmt: skip
     p.add_argument("--max-steps", type=int, default=None, help="stop after N segments")
-    p.add_argument("--dataset", default=None, help="dataset name (default: the training one)")
     p.add_argument(
-        "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
-    )
+        "--dataset", default=None,
+        help="dataset name (default: the one the checkpoint records, found from any directory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-dir", default=None,
+        help="default: $TXLM_DATA_DIR or ./data when it holds the checkpoint's corpus, else "
+        "the folder it was prepared in",
+    )  # fmt: skip
     add_device_options(p, precision=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
