@@ -25,6 +25,7 @@ class Progress:
         total: int | None,
         *,
         unit: str = "it",
+        initial: int = 0,
         enabled: bool = True,
         stream: TextIO | None = None,
         clock: Callable[[], float] | None = None,
@@ -36,16 +37,16 @@ class Progress:
         self.enabled = enabled
         self.clock = clock if clock is not None else (lambda: _now())  # looked up per call
         self.quiet_s, self.every_s = quiet_s, every_s
-        self.done = 0
+        self.done = initial  # a resumed download's bytes already there
         self.bar: Any = None
         self._start = self._last = self.clock()
-        self._tenth = 0
+        self._tenth = initial * 10 // total if total else 0
         if enabled and _is_terminal(self.stream):
             from tqdm import tqdm
 
             self.bar = tqdm(
-                total=total, desc=desc, unit=unit, leave=False, dynamic_ncols=True,
-                file=self.stream,
+                total=total, initial=initial, desc=desc, unit=unit, leave=False,
+                dynamic_ncols=True, file=self.stream,
             )  # fmt: skip
 
     def update(self, n: int = 1) -> None:

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -136,9 +135,7 @@ def prepare_dataset(
             return out
 
     # 2. Fetch what is remote (verified), then build in a temporary folder.
-    paths = sources.fetch_sources(
-        kind, inputs, downloads, mirror=mirror, progress=progress and sys.stderr.isatty()
-    )
+    paths = sources.fetch_sources(kind, inputs, downloads, mirror=mirror, progress=progress)
     key = sources.input_key(kind, level, options, inputs)
     if not force and is_current(out, key):
         return out
