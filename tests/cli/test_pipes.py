@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from tests.helpers.env import subprocess_env
 from tests.helpers.train import tiny_text
 
@@ -41,12 +39,6 @@ def test_info_into_head_ends_quietly(tmp_path):
     assert txlm.wait(timeout=300) in (0, 141), err
     assert err == ""
     assert head.stdout.decode().count("\n") == 1 and b"preset" in head.stdout
-
-
-@pytest.mark.parametrize("json", [False, True])
-def test_info_into_a_closed_pipe_is_141_without_a_word(tmp_path, json):
-    result = into_closed_pipe(["info", *(["--json"] if json else [])], tmp_path)
-    assert (result.returncode, result.stderr) == (141, "")
 
 
 def test_prepare_into_a_closed_pipe_is_141_and_the_corpus_is_whole(tmp_path):
