@@ -173,3 +173,20 @@ def test_a_classifier_reads_its_documents_from_any_directory(runner, tmp_path):
     assert rc == 0, err
     result = json.loads(out)
     assert result["documents"] == 2 and 0 <= result["accuracy"] <= 1
+
+
+def test_a_fine_tune_that_records_only_the_folder_name_is_read_with_its_vocabulary(runner, work):
+    """A checkpoint whose config.json names its prepared folder but not its paths (written
+    before they were recorded): the folder's name says the corpus is in the checkpoint's
+    vocabulary, read from the working directory."""
+    import shutil
+
+    old = work / "runs" / "sonnets-old"
+    shutil.copytree(work / "runs" / "sonnets", old)
+    config_file = old / "best" / "config.json"
+    config = json.loads(config_file.read_text())
+    for key in ("source", "data_dir", "path", "given_vocab", "lower_case"):
+        config["dataset"].pop(key)
+    config_file.write_text(json.dumps(config))
+    got = evaluate(runner, work, "runs/sonnets-old/best")
+    assert got["loss"] == evaluate(runner, work, "runs/sonnets/best")["loss"]
