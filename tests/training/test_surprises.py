@@ -191,3 +191,15 @@ def test_the_progress_line_names_its_unit():
     )
     report.update(1, loss=0.5, tokens=8.0, lr=1e-3, seconds=2.0, eta_s=2.0)
     assert out.getvalue() == "step 1/2  loss 0.5000  bits 0.7213  lr 0.001  4 doc/s  ETA 0:02\n"
+
+
+def test_a_run_that_prepares_its_corpus_says_which_documents_it_skipped(runner, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text(tiny_text(tmp_path, n_chars=4000).read_text())
+    (tmp_path / "docs" / "b.txt").write_text("\n\n")
+    rc, out, err = train(
+        runner, tmp_path, "--preset", "debug", "--out", "runs/x", "--set",
+        "data.dataset=text:docs", "optim.max_steps=1", *RUN,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert out.splitlines()[0] == "text:docs: skipped 1 empty document(s): b.txt"

@@ -40,6 +40,11 @@ def open_training_corpus(
     if dist_info.is_main:
         progress = echo and config.run.progress and sys.stderr.isatty()
         corpus = open_corpus(d.dataset, d.data_dir, progress=progress, **given)
+        skipped = (corpus.meta.get("corpus") or {}).get("skipped_empty") or []
+        if echo and skipped and not corpus.reused:  # as txlm prepare says it
+            print(
+                f"{d.dataset}: skipped {len(skipped)} empty document(s): {', '.join(skipped[:3])}"
+            )
     dist.barrier()
     if corpus is None:
         corpus = open_corpus(d.dataset, d.data_dir, **given)
