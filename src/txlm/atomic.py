@@ -74,7 +74,7 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these files are meant to be read by others
+        os.chmod(tmp, shared_mode())  # mkstemp makes 0600: give the mode open() would
         fault(path.name, "swap")
         os.replace(tmp, path)
     except BaseException:
@@ -101,12 +101,12 @@ def directory(target: str | Path) -> Iterator[Path]:
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(target.parent)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=_temp_prefix(target), suffix=".tmp"))
-    os.chmod(tmp, 0o755)  # mkdtemp makes 0700
     old = previous(target)
     swapping = False  # target existed when the swap began
     try:
         fault(target.name, "made")
         yield tmp
+        _share_tree(tmp)
         _sync_tree(tmp, target.name)
         fault(target.name, "swap")
         swapping = target.exists()
@@ -129,6 +129,39 @@ def directory(target: str | Path) -> Iterator[Path]:
                 os.rename(old, target)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux), else
+    by setting it and putting it back at once."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith(b"Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def shared_mode(directory: bool = False) -> int:
+    """The mode ``open``/``mkdir`` give a new file/folder under the umask (0644/0755 under the
+    usual 022): what a user's own files get, so others (a container running as another user)
+    can read a checkpoint or a corpus as far as the user allows."""
+    return (0o777 if directory else 0o666) & ~umask()
+
+
+def _share_tree(tmp: Path) -> None:
+    """Every file and folder of ``tmp`` with the umask's mode: temp directories are made 0700,
+    and writers (safetensors, ``mkstemp``) may make their files 0600."""
+    files, folders = shared_mode(), shared_mode(directory=True)
+    os.chmod(tmp, folders)
+    for dirpath, dirnames, filenames in os.walk(tmp):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), folders)
+        for f in filenames:
+            path = os.path.join(dirpath, f)
+            if not os.path.islink(path):
+                os.chmod(path, files)
 
 
 def previous(target: str | Path) -> Path:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 
 import torch
@@ -51,11 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()  # a command's --threads is its own, not its caller's
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
+        return code
     except TxlmError as exc:
         sys.stderr.write(f"txlm: error: {exc}\n")
         return 2
     except OSError as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            # The reader of our output is gone (``txlm info | head -1``): end quietly, as
+            # tools that SIGPIPE ends do (Python ignores the signal: the write got EPIPE).
+            _silence_stdout()
+            return 128 + 13  # 141, the shell's status of a command that SIGPIPE ended
         # The system refused a read or write the user asked for: --out or --data-dir under a
         # file, a read-only or full disk, a missing directory. That is bad input/environment,
         # not a bug: one line naming the path, exit 2 (writes are atomic, so nothing already
@@ -81,6 +90,28 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         torch.set_num_threads(threads)
+
+
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader closed it (poll reports an error on
+    such a write end; a terminal or a file never does)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(event & select.POLLERR for _, event in poller.poll(0))
+
+
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so that flushing what is still buffered at exit
+    does not fail a second time and print ``Exception ignored ... BrokenPipeError``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -147,11 +148,18 @@ def out_of_memory_message(exc: BaseException) -> str | None:
     )
 
 
+STDIN = "-"  # the file name that means standard input (classify, --prompt-file, eval --file)
+
+
 def read_bounded(path: str | Path, limit: int) -> bytes:
     """A file's bytes, at most ``limit`` of them: ``ResourceError`` past that, so a source
-    that never ends (a device, a pipe) is refused after ``limit`` bytes, not read forever."""
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+    that never ends (a device, a pipe) is refused after ``limit`` bytes, not read forever.
+    ``-`` is standard input."""
+    if str(path) == STDIN:
+        data = sys.stdin.buffer.read(limit + 1)
+    else:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
     if len(data) > limit:
         raise ResourceError(f"{path} is longer than {human(limit)}: not read")
     return data

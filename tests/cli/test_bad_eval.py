@@ -81,6 +81,12 @@ CASES: list[Case] = [
     ),
     Case("eval-unknown-split", ["eval", "run/best", "--split", "dev"], "--split"),
     Case(
+        "eval-run-folder",
+        ["eval", "run"],
+        "(a run folder: did you mean run/best?)",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
         "eval-zero-tgt-len",
         ["eval", "run/best", "--tgt-len", "0"],
         "tgt-len",

@@ -336,9 +336,16 @@ def test_mirror_from_environment_and_a_bad_archive(tmp_path, server, mirror, mon
     assert [p.name for p in (tmp_path / "d").iterdir()] == ["downloads"]
 
 
-def test_progress_bar_is_shown(tmp_path, mirror, capsys):
+def test_progress_is_shown_in_a_log(tmp_path, mirror, capsys, monkeypatch):
+    import itertools
+
+    from txlm import progress
+
+    # every reading of the progress clock 2 s later: the download lasts past its first second
+    monkeypatch.setattr(progress, "_now", itertools.count(0.0, 2.0).__next__)
     prepare_dataset("text8", tmp_path, mirror=mirror, progress=True)
-    assert "text8.zip" in capsys.readouterr().err
+    size = (tmp_path / "downloads" / "text8.zip").stat().st_size
+    assert f"text8.zip: {size}/{size} bytes, " in capsys.readouterr().err
 
 
 def test_default_urls_are_the_public_ones():

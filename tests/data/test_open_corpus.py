@@ -38,8 +38,10 @@ def runs(tmp_path_factory):
     p = txlm(["prepare", f"text:{text}", "--level", "word", "--max-vocab", "60"], elsewhere)
     assert p.returncode == 0, p.stderr
     char, word = _train(root, text, "char", elsewhere), _train(root, text, "word", elsewhere)
-    for ckpt in (char, word):  # where it was prepared is not in the checkpoint
-        assert json.loads((ckpt / "config.json").read_text())["train"]["data"]["data_dir"] is None
+    for ckpt in (char, word):  # not configured, but recorded where it was prepared
+        config = json.loads((ckpt / "config.json").read_text())
+        assert config["train"]["data"]["data_dir"] is None
+        assert config["dataset"]["data_dir"] == str(elsewhere.resolve())
     return root, text, elsewhere, char, word
 
 
@@ -47,10 +49,21 @@ def _eval(ckpt, data, *extra):
     return txlm(["eval", str(ckpt), "--max-steps", "2", *extra], data)
 
 
+def test_the_recorded_data_folder_is_read_when_the_current_one_lacks_the_corpus(runs, tmp_path):
+    _, _, elsewhere, char, _ = runs
+    empty = tmp_path / "data"  # $TXLM_DATA_DIR of this call: nothing prepared there
+    e = _eval(char, empty, "--json")
+    assert e.returncode == 0 and e.stderr == ""  # found where it was prepared: nothing to say
+    assert not empty.exists()
+    there = _eval(char, elsewhere, "--json")
+    assert there.returncode == 0 and there.stderr == ""
+    assert json.loads(e.stdout)["loss"] == json.loads(there.stdout)["loss"]
+
+
 def test_a_corpus_prepared_elsewhere_is_prepared_again_only_when_it_is_the_same(runs, tmp_path):
     _, _, elsewhere, char, _ = runs
-    empty = tmp_path / "data"  # the data directory eval looks in: nothing prepared there
-    e = _eval(char, empty, "--json")
+    empty = tmp_path / "data"  # the data directory eval is pointed at: nothing prepared there
+    e = _eval(char, empty, "--json", "--data-dir", str(empty))
     assert e.returncode == 0, e.stderr
     # it says where it prepared the copy, and that it is the checkpoint's vocabulary
     assert f"prepared it in {empty / 'text-tiny'}" in e.stderr
@@ -59,7 +72,7 @@ def test_a_corpus_prepared_elsewhere_is_prepared_again_only_when_it_is_the_same(
     there = _eval(char, elsewhere, "--json")
     assert there.returncode == 0 and there.stderr == ""  # found: nothing to say
     assert json.loads(e.stdout)["loss"] == json.loads(there.stdout)["loss"]
-    again = _eval(char, empty, "--json")  # now there is a copy: reused silently
+    again = _eval(char, empty, "--json", "--data-dir", str(empty))  # a copy there: reused
     assert again.returncode == 0 and again.stderr == ""
 
 
@@ -68,7 +81,7 @@ def test_another_preparation_is_not_built_over_and_the_error_names_data_dir(runs
     empty = tmp_path / "data"
     empty.mkdir()
     before = snapshot(empty)
-    e = _eval(word, empty)
+    e = _eval(word, empty, "--data-dir", str(empty))
     lines = e.stderr.splitlines()
     assert e.returncode == 2 and len(lines) == 1 and lines[0].startswith("txlm: error: ")
     assert "--data-dir" in lines[0] and str(empty) in lines[0] and "Traceback" not in e.stderr

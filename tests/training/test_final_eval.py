@@ -9,9 +9,18 @@ import re
 from tests.helpers.train import tiny_config
 
 
-def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(tmp_path, capsys):
+def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(
+    tmp_path, capsys, monkeypatch
+):
+    import itertools
+
+    from txlm import progress
     from txlm.data import load_prepared
     from txlm.training import Trainer
+
+    # every reading of the progress clock 2 s later: each evaluation lasts past its first
+    # second, so a log shows its tenths (a step hook, not the wall clock)
+    monkeypatch.setattr(progress, "_now", itertools.count(0.0, 2.0).__next__)
 
     config = tiny_config(
         tmp_path,
@@ -42,3 +51,19 @@ def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(tmp_path, 
         assert done == sorted(set(done))
     # the run's own (capped) validations stay quiet: a line per tenth only for whole splits
     assert not re.search(r"^valid: \d+/\d+ segments", err, re.M), err
+
+
+def test_a_final_evaluation_within_a_second_prints_only_its_result(tmp_path, capsys, monkeypatch):
+    from txlm import progress
+    from txlm.training import Trainer
+
+    monkeypatch.setattr(progress, "_now", lambda: 0.0)  # no time passes
+    config = tiny_config(
+        tmp_path, "optim.max_steps=2", "eval.eval_interval=0", "eval.sample_tokens=0",
+        "run.tensorboard=false", "run.progress=true",
+    )  # fmt: skip
+    Trainer(config, tmp_path / "run").fit()
+    captured = capsys.readouterr()
+    assert not re.search(r"segments, \d+s$", captured.err, re.M), captured.err
+    assert re.search(r"^valid: loss \d", captured.out, re.M), captured.out
+    assert re.search(r"^test: loss \d", captured.out, re.M), captured.out

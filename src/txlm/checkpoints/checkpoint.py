@@ -160,7 +160,9 @@ def _parse_config(directory: Path) -> dict[str, Any]:
     try:
         text = path.read_bytes()
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        raise CheckpointError(f"{directory} has no {CONFIG_FILE}: not a txlm checkpoint") from None
+        raise CheckpointError(
+            f"{directory} has no {CONFIG_FILE}: not a txlm checkpoint{_run_folder_hint(directory)}"
+        ) from None
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
@@ -177,6 +179,14 @@ def _parse_config(directory: Path) -> dict[str, Any]:
             f"this txlm reads version {FORMAT_VERSION}"
         )
     return data
+
+
+def _run_folder_hint(directory: Path) -> str:
+    """``txlm train --out`` folders hold their checkpoints in ``best`` and ``last``."""
+    inside = [n for n in ("best", "last") if (directory / n / CONFIG_FILE).is_file()]
+    if not inside:
+        return ""
+    return f" (a run folder: did you mean {directory / inside[0]}?)"
 
 
 def _identity(directory: Path) -> tuple[int, int] | None:

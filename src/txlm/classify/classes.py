@@ -32,6 +32,7 @@ import numpy as np
 from txlm import atomic
 from txlm.data.vocab import Vocab
 from txlm.errors import DataError
+from txlm.resources import ResourceError, read_bounded
 
 PREFIX = "classes:"
 SPLITS = ("train", "valid", "test")
@@ -104,14 +105,14 @@ def _label_folders(directory: Path) -> dict[str, list[Path]]:
 
 
 def read_document(path: Path, vocab: Vocab) -> np.ndarray:
-    """A document's token ids; ``DataError`` when it is unreadable, not UTF-8 or empty."""
+    """A document's token ids; ``DataError`` when it is unreadable, not UTF-8 or empty.
+    ``-`` is standard input."""
     try:
-        with path.open("rb") as f:
-            raw = f.read(MAX_DOCUMENT_BYTES + 1)
+        raw = read_bounded(path, MAX_DOCUMENT_BYTES)
     except OSError as exc:
         raise DataError(f"cannot read document {path}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_DOCUMENT_BYTES:
-        raise DataError(f"document {path} is larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+    except ResourceError:
+        raise DataError(f"document {path} is larger than {MAX_DOCUMENT_BYTES >> 20} MiB") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -192,6 +193,7 @@ def open_classes(
             )
     meta = {
         "dataset": f"{PREFIX}{root}",
+        "source": f"{PREFIX}{root.resolve()}",  # the same folder from any working directory
         "labels": labels,
         "split": how,
         "vocab_fingerprint": vocab.fingerprint,

@@ -52,14 +52,19 @@ def scores(labels: list[str], truth: np.ndarray, predicted: np.ndarray) -> dict[
 
 
 def evaluate_documents(
-    model: Classifier, documents: Documents, *, batch_size: int = 8
+    model: Classifier,
+    documents: Documents,
+    *,
+    batch_size: int = 8,
+    progress: bool = False,
+    desc: str = "eval",
 ) -> dict[str, Any]:
     """The metrics of ``documents`` plus the mean cross-entropy (``loss``), documents and
-    tokens per second."""
+    tokens per second. ``progress``: as ``predict``'s."""
     was_training = model.training
     model.eval()
     t0 = time.perf_counter()
-    probs = predict(model, documents.docs, batch_size=batch_size)
+    probs = predict(model, documents.docs, batch_size=batch_size, progress=progress, desc=desc)
     seconds = time.perf_counter() - t0
     model.train(was_training)
     truth = documents.labels

@@ -26,6 +26,7 @@ from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.classify.documents import pad_documents
 from txlm.errors import CheckpointError, ConfigError, DataError
 from txlm.model import TransformerXL
+from txlm.progress import Progress
 
 TASK = "classify"
 
@@ -88,20 +89,29 @@ def _ids(model: Classifier, doc: str | Sequence[int], vocab: Any) -> list[int]:
 
 @torch.no_grad()
 def predict(
-    model: Classifier, docs: Sequence[Sequence[int]], *, batch_size: int = 8
+    model: Classifier,
+    docs: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    progress: bool = False,
+    desc: str = "classify",
 ) -> torch.Tensor:
     """[N, C] label probabilities of token-id documents, read in batches of similar length
-    (each document alone in its row, memory carried across its segments)."""
+    (each document alone in its row, memory carried across its segments). ``progress``: on
+    stderr (``txlm.progress``: a bar on a terminal, lines in a log past a second)."""
     device = next(model.parameters()).device
     order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
     probs = torch.empty(len(docs), len(model.labels), dtype=torch.float64)
-    for a in range(0, len(order), batch_size):
-        picked = order[a : a + batch_size]
-        ids, start = pad_documents(
-            [np.asarray(docs[i], dtype=np.int64) for i in picked], model.lengths.tgt_len, device
-        )
-        out = model(ids, start)
-        probs[picked] = out.log_probs.double().exp().cpu()
+    with Progress(desc, len(docs), unit="documents", enabled=progress) as bar:
+        for a in range(0, len(order), batch_size):
+            picked = order[a : a + batch_size]
+            ids, start = pad_documents(
+                [np.asarray(docs[i], dtype=np.int64) for i in picked], model.lengths.tgt_len,
+                device,
+            )  # fmt: skip
+            out = model(ids, start)
+            probs[picked] = out.log_probs.double().exp().cpu()
+            bar.update(len(picked))
     return probs
 
 

@@ -21,7 +21,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print each file's label and the labels' probabilities.",
     )
     p.add_argument("checkpoint", metavar="CKPT", help="classifier checkpoint directory")
-    p.add_argument("files", metavar="FILE", nargs="+", type=Path, help="UTF-8 text documents")
+    p.add_argument(
+        "files", metavar="FILE", nargs="+", type=Path,
+        help="UTF-8 text documents (-: standard input)",
+    )  # fmt: skip
     p.add_argument(
         "--batch-size", type=int, default=8, metavar="N",
         help="documents read together (similar lengths batched; default 8)",
@@ -40,12 +43,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if [str(f) for f in args.files].count("-") > 1:
+        raise ConfigError("- (standard input) can be one document only: name it once")
     apply_threads(args)
     model = load_classifier(args.checkpoint, device=resolve_device(args.device))
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode text")
     docs = [read_document(path, model.vocab) for path in args.files]  # all checked first
-    probs = predict(model, docs, batch_size=args.batch_size).tolist()
+    # progress on stderr: a bar on a terminal, a line per tenth in a log past a second
+    probs = predict(model, docs, batch_size=args.batch_size, progress=True).tolist()
     labels = model.labels
     for path, p in zip(args.files, probs, strict=True):
         label = labels[max(range(len(labels)), key=lambda i: p[i])]

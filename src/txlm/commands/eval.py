@@ -42,10 +42,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(default: the run's eval.batch_size, else 1)",
     )  # fmt: skip
     p.add_argument("--max-steps", type=int, default=None, help="stop after N segments")
-    p.add_argument("--dataset", default=None, help="dataset name (default: the training one)")
     p.add_argument(
-        "--data-dir", default=None, help="default: the training one, $TXLM_DATA_DIR or ./data"
-    )
+        "--dataset", default=None,
+        help="dataset name (default: the one the checkpoint records, found from any directory)",
+    )  # fmt: skip
+    p.add_argument(
+        "--data-dir", default=None,
+        help="default: $TXLM_DATA_DIR or ./data when it holds the checkpoint's corpus, else "
+        "the folder it was prepared in",
+    )  # fmt: skip
     add_device_options(p, precision=True)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from txlm import resources
     from txlm.checkpoints.checkpoint import Checkpoint
+    from txlm.checkpoints.dataset import dataset_of
     from txlm.data import open_corpus
     from txlm.errors import CheckpointError
     from txlm.inference.evaluate import evaluate_tokens
@@ -94,12 +100,12 @@ def run(args: argparse.Namespace) -> int:
     if ckpt.data.get("task") == "classify":  # accuracy, per-class scores: eval_classifier
         from txlm.commands import eval_classifier
 
-        return eval_classifier.run(args, ckpt.data)
+        return eval_classifier.run(args, ckpt)
     train = ckpt.train_config or {}
-    data = train.get("data") or {}
-    dataset = args.dataset or data.get("dataset")
-    if not dataset:
+    ref = dataset_of(ckpt, dataset=args.dataset, data_dir=args.data_dir)
+    if ref is None:
         raise CheckpointError(f"{ckpt.path} does not name its dataset: pass --dataset")
+    dataset = ref.name
     fingerprint = ckpt.vocab_fingerprint
     if fingerprint is None:
         raise CheckpointError(
@@ -107,15 +113,18 @@ def run(args: argparse.Namespace) -> int:
             f"its token ids are those of {dataset}"
         )
     lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len, args.same_length)
-    show = not args.no_progress and not args.json and sys.stderr.isatty()
+    # a bar on a terminal, a line per tenth in a log (stderr); --json: stdout's one object
+    show = not args.no_progress and not args.json
     corpus = open_corpus(
-        dataset,
-        args.data_dir or data.get("data_dir"),
-        level=data.get("level"),
+        ref.source,
+        ref.data_dir,
+        level=ref.level,
+        vocab=ref.vocab,  # a fine-tune's corpus: encoded with the checkpoint's vocabulary
+        lower_case=ref.lower_case,
         fingerprint=fingerprint,
         owner=str(ckpt.path),
         log=_note,  # on stderr, so --json output stays one object
-        progress=show,
+        progress=show and sys.stderr.isatty(),
     )
     model = ckpt.load_model(device)
     recorded_rows = (train.get("eval") or {}).get("batch_size")

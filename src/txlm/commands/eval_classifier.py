@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
 
 from txlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from txlm.checkpoints.checkpoint import Checkpoint
 
 # eval's options that mean something only for a language model's token stream
 _LM_ONLY = ("tgt_len", "mem_len", "clamp_len", "same_length", "max_steps")
 
 
-def run(args: argparse.Namespace, saved: dict) -> int:
+def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
     import torch
 
+    from txlm.checkpoints.dataset import dataset_of
     from txlm.classify.classes import open_classes
     from txlm.classify.evaluation import evaluate_documents, report
     from txlm.classify.predict import load_classifier
@@ -32,16 +37,18 @@ def run(args: argparse.Namespace, saved: dict) -> int:
         if args.threads < 1:
             raise ConfigError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
+    saved = ckpt.data
     train = saved.get("train") or {}
-    dataset = args.dataset or (train.get("data") or {}).get("dataset")
-    if not dataset:
+    ref = dataset_of(ckpt, dataset=args.dataset)
+    if ref is None:
         raise CheckpointError(f"{args.checkpoint} does not name its dataset: pass --dataset")
+    dataset = ref.name
     model = load_classifier(args.checkpoint, device=resolve_device(args.device))
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode the dataset")
     split_options = train.get("classify") or {}
     data = open_classes(
-        dataset, model.vocab, seed=(train.get("run") or {}).get("seed", 0),
+        ref.source, model.vocab, seed=(train.get("run") or {}).get("seed", 0),
         valid_fraction=split_options.get("valid_fraction", 0.1),
         test_fraction=split_options.get("test_fraction", 0.1),
     )  # fmt: skip
@@ -52,7 +59,10 @@ def run(args: argparse.Namespace, saved: dict) -> int:
     documents = data.split(args.split)
     if not len(documents):
         raise ConfigError(f"{dataset}: the {args.split} split holds no documents")
-    result = evaluate_documents(model, documents, batch_size=args.batch_size or 8)
+    result = evaluate_documents(
+        model, documents, batch_size=args.batch_size or 8,
+        progress=not args.no_progress and not args.json, desc=args.split,
+    )  # fmt: skip
     result.update(checkpoint=str(args.checkpoint), split=args.split, dataset=dataset)
     print(json.dumps(result) if args.json else report(result, args.split))
     return 0

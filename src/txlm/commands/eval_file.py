@@ -19,6 +19,7 @@ import torch
 
 from txlm.devices import resolve_device
 from txlm.errors import ConfigError
+from txlm.resources import STDIN
 
 if TYPE_CHECKING:
     from txlm.checkpoints.checkpoint import Checkpoint
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--file", type=Path, default=None, metavar="F",
-        help="score this text file (one stream, memory carried) instead of a dataset split",
+        help="score this text file (one stream, memory carried; -: standard input) instead "
+        "of a dataset split",
     )  # fmt: skip
 
 
@@ -49,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
         getattr(args, "tgt_len", None), getattr(args, "mem_len", None),
         getattr(args, "clamp_len", None), getattr(args, "same_length", None),
     )  # fmt: skip
-    _check_memory(args, ckpt, device, lengths)
+    # standard input is read whole first: its size is what the memory check needs
+    data = sys.stdin.buffer.read() if str(args.file) == STDIN else None
+    _check_memory(args, ckpt, device, lengths, data)
     quiet = getattr(args, "json", False) or getattr(args, "no_progress", False)
     result = score_file(
         ckpt,
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         **dataclasses.asdict(lengths),
         device=device,
         progress=not quiet and sys.stderr.isatty(),
+        data=data,
     )
     if getattr(args, "json", False):
         print(json.dumps(result))
@@ -66,16 +71,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_memory(
-    args: argparse.Namespace, ckpt: Checkpoint, device: torch.device, lengths: Lengths
+    args: argparse.Namespace,
+    ckpt: Checkpoint,
+    device: torch.device,
+    lengths: Lengths,
+    data: bytes | None = None,
 ) -> None:
     """Before loading: refuse a text, memory or segment that cannot fit (txlm.resources)."""
     from txlm import resources
     from txlm.checkpoints.checkpoint import WEIGHTS_FILE
 
-    if args.file.exists() and not args.file.is_file():
-        # a device or a pipe may never end, and the file is read whole
-        raise ConfigError(f"--file {args.file} is not a regular file: pass a text file")
-    text_bytes = _size(args.file)  # score_file names a missing or unreadable file
+    if data is None and args.file.exists() and not args.file.is_file():
+        # a device or a named pipe may never end, and the file is read whole
+        raise ConfigError(
+            f"--file {args.file} is not a regular file: pass a text file, or - and the text "
+            "on standard input"
+        )
+    # score_file names a missing or unreadable file
+    text_bytes = _size(args.file) if data is None else len(data)
     resources.check_evaluation(
         ckpt.model_config, device, weights=_size(ckpt.path / WEIGHTS_FILE), rows=1,
         tgt_len=lengths.tgt_len, mem_len=lengths.mem_len,

@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--prompt", metavar="TEXT", action="append",
         help='the context ("" starts from nothing); repeat for several prompts in one batch',
     )  # fmt: skip
-    src.add_argument("--prompt-file", metavar="F", type=Path, help="read the context from F")
+    src.add_argument(
+        "--prompt-file", metavar="F", type=Path, help="read the context from F (-: standard input)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="default 200")
     p.add_argument("--top-k", type=int, default=40, metavar="K", help="default 40 (paper)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus, in (0, 1]")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 
@@ -18,8 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="list presets (parameter counts) or describe a checkpoint",
         description="Without CKPT: every model preset (txlm train / bench eval-speed / ablate "
         "--preset) with its shape and parameter count (counted without allocating), and the "
-        "ablation presets of txlm ablate --preset. With CKPT: its parameter count and saved "
-        "configuration (model and training), as JSON.",
+        "ablation presets of txlm ablate --preset. With CKPT: a short summary (model, "
+        "vocabulary, lengths, training, task); --json: its parameter count and whole saved "
+        "configuration.",
     )
     p.add_argument("checkpoint", metavar="CKPT", nargs="?", help="a checkpoint to describe")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -75,6 +77,61 @@ def ablation_table() -> list[dict]:
     return rows
 
 
+def describe(name: str, ckpt: Any, params: int) -> list[str]:
+    """A checkpoint in a few lines: what it is, its model, vocabulary, lengths, training."""
+    data, c = ckpt.data, ckpt.model_config
+    classifier = data.get("classifier") if data.get("task") == "classify" else None
+    what = "a classifier" if classifier else "a language model"
+    lines = [f"{name}: {what}, {params:,} parameters"]
+    softmax = f"adaptive softmax cutoffs {c.cutoffs}" if c.cutoffs else "full softmax"
+    lines.append(
+        f"  model: {c.n_layer} layers, d_model {c.d_model}, {c.n_head}x{c.d_head} heads, "
+        f"d_inner {c.d_inner}, {c.attn_type} attention, {softmax}"
+    )
+    if ckpt.has_vocab:
+        vocab = ckpt.vocab()
+        lines.append(
+            f"  vocabulary: {vocab.level}, {len(vocab):,} symbols (fingerprint {vocab.fingerprint})"
+        )
+    else:
+        lines.append(f"  vocabulary: none saved ({c.vocab_size:,} ids)")
+    lengths = ckpt.lengths()
+    lines.append(
+        f"  lengths: trained tgt_len {c.tgt_len}, mem_len {c.mem_len}; evaluated tgt_len "
+        f"{lengths.tgt_len}, mem_len {lengths.mem_len}, clamp_len {lengths.clamp_len}, "
+        f"same_length {lengths.same_length}"
+    )
+    train = ckpt.train_config
+    state = data.get("checkpoint") or {}
+    if train is not None:
+        dataset = data.get("dataset") or {}
+        on = (
+            dataset.get("name")
+            or dataset.get("dataset")
+            or (train.get("data") or {}).get("dataset")
+        )
+        step = f"step {state['step']:,} of " if "step" in state else ""
+        line = f"  training: {step}{(train.get('optim') or {}).get('max_steps')} on {on}"
+        if "best_valid_loss" in state:
+            line += f", best valid loss {state['best_valid_loss']:.4f}"
+        if dataset.get("path"):
+            line += f" (prepared {dataset['path']})"
+        lines.append(line)
+    init = data.get("init")
+    if isinstance(init, dict) and init.get("path"):
+        lines.append(f"  fine-tuned from: {init['path']}")
+    converted = data.get("converted_from")
+    if isinstance(converted, dict):
+        lines.append(f"  converted from: {converted.get('source')} ({converted.get('format')})")
+    if classifier:
+        labels = ", ".join(classifier.get("labels") or [])
+        lines.append(f"  task: classify into {labels}; pooling {classifier.get('pooling')}")
+    else:
+        lines.append("  task: language model")
+    lines.append("  (--json: the whole record)")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     if args.checkpoint:
         from txlm.checkpoints.checkpoint import Checkpoint
@@ -87,7 +144,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             model = ckpt.load_model()
         summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **ckpt.data}
-        print(json.dumps(summary, indent=None if args.json else 2, sort_keys=True))
+        if args.json:
+            print(json.dumps(summary, sort_keys=True))
+        else:
+            print("\n".join(describe(args.checkpoint, ckpt, summary["params"])))
         return 0
     rows = preset_table()
     ablation = ablation_table()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 
 from txlm.data import open_corpus
@@ -89,9 +88,10 @@ def run(args: argparse.Namespace) -> int:
         args.data_dir,
         level=args.level,
         force=args.force,
+        replace=True,  # the one command that rebuilds a copy that is out of date
         mirror=args.mirror,
-        # bars only on a terminal: in a log file each refresh would be another line
-        progress=not args.no_progress and sys.stderr.isatty(),
+        # a bar on a terminal, a line every 30 s in a log (txlm.progress)
+        progress=not args.no_progress,
         min_freq=args.min_freq,
         max_vocab=args.max_vocab,
         vocab_size=args.vocab_size,
@@ -122,11 +122,19 @@ def run(args: argparse.Namespace) -> int:
     cutoffs = (corpus.meta.get("adaptive_softmax") or {}).get("suggested_cutoffs")
     if cutoffs is not None:
         summary["suggested_cutoffs"] = cutoffs
+    skipped = (corpus.meta.get("corpus") or {}).get("skipped_empty") or []
+    if skipped:
+        summary["skipped_empty"] = skipped
     if args.json:
         print(json.dumps(summary))
         return 0
     if corpus.reused:
         print(f"{path}: an up-to-date copy was there, reused it (--force rebuilds)")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (
+            f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+        )
+        print(f"skipped {len(skipped)} empty document(s) (nothing but whitespace): {shown}")
     counts = ", ".join(f"{k} {v:,}" for k, v in splits.items())
     asked = ""
     if "vocab_size" in options and options["vocab_size"] != len(corpus.vocab):

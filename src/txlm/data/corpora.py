@@ -488,9 +488,14 @@ def read_user_text(path: Path) -> tuple[RawCorpus, list[Path]]:
         files = sorted(p for p in path.rglob("*.txt") if p.is_file())
         if not files:
             raise DataError(f"folder {path} has no .txt files")
-        docs = [read_text(p) for p in files]
+        # an empty document (nothing but whitespace) holds nothing to learn: skipped, counted
+        texts = [(p, read_text(p) if p.stat().st_size else "") for p in files]
+        docs = [t for _, t in texts if t.strip()]
+        empty = [p for p, t in texts if not t.strip()]
+        if not docs:
+            raise DataError(f"folder {path} has no document with text ({len(empty)} empty)")
     else:
-        files = [path]
+        files, empty = [path], []
         docs = split_documents(read_text(path))
     if not any(d.strip() for d in docs):
         raise DataError(f"{path} holds no text (only whitespace)")
@@ -519,6 +524,8 @@ def read_user_text(path: Path) -> tuple[RawCorpus, list[Path]]:
         }
         rule = "characters 90/5/5, cut at line starts"
     settings = {"documents": "one per file; in a file, split at 2+ blank lines", "split": rule}
+    if empty:
+        settings["skipped_empty"] = [p.relative_to(path).as_posix() for p in empty]
     return RawCorpus(_split_texts(parts), settings), files
 
 

@@ -23,10 +23,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tqdm import tqdm
-
 from txlm import atomic
 from txlm.errors import DataError
+from txlm.progress import Progress
 
 CHUNK = 1 << 20
 CHECKSUM_RECORD = "checksums.json"
@@ -115,15 +114,8 @@ def download(
                 while block := f.read(CHUNK * 4):
                     hasher.update(block)
         done = have
-        bar = tqdm(
-            total=total,
-            initial=have,
-            unit="B",
-            unit_scale=True,
-            desc=dest.name,
-            disable=not progress,
-            leave=False,
-        )
+        # a bar on a terminal, a line per tenth or 30 s in a log (txlm.progress)
+        bar = Progress(dest.name, total, unit="bytes", initial=have, enabled=progress)
         try:
             with open(part, "ab" if resumed else "wb") as out:
                 while True:

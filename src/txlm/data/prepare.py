@@ -83,6 +83,7 @@ def prepare_dataset(
     vocab_size: int | None = None,
     vocab: Vocab | None = None,
     lower_case: bool = False,
+    replace: bool = True,
 ) -> Path:
     """Prepare ``name`` under ``data_dir`` (reusing an up-to-date copy) and return its folder.
 
@@ -95,6 +96,9 @@ def prepare_dataset(
     built from train; its level is the level, no vocabulary option applies, ids are kept as
     they are, and a train split with no symbol the vocabulary knows is refused.
     ``lower_case``: lower-case the text first (a converted tokenizer that did so).
+    ``replace=False``: a copy that is there but not up to date (its sources changed, or it
+    is damaged) is refused in one line naming ``txlm prepare ... --force``, never rebuilt:
+    models trained on it may depend on it as it is. Only ``txlm prepare`` replaces a copy.
     """
     if recall.is_recall(name):  # generated, not read: its own writer (same layout)
         if vocab is not None:
@@ -135,6 +139,8 @@ def prepare_dataset(
     key = sources.input_key(kind, level, options, inputs)
     if not force and is_current(out, key):
         return out
+    if not replace and atomic.resolve(out).exists():
+        raise DataError(_stale(name, out, key, level, data_dir, given=vocab is not None))
 
     def vocabulary(raw: RawCorpus) -> Vocab:
         if vocab is not None:
@@ -191,6 +197,29 @@ def prepare_dataset(
         atomic.write_text(tmp / "meta.json", json.dumps(meta, indent=1))
         shutil.rmtree(work)
     return out
+
+
+def _stale(name: str, out: Path, key: str, level: str, data_dir: Path, *, given: bool) -> str:
+    """Why the copy at ``out`` is not the one asked for, and the command that remakes it."""
+    try:
+        meta = json.loads((atomic.resolve(out) / "meta.json").read_text(encoding="utf-8"))
+        recorded = meta.get("input_key") if isinstance(meta, dict) else None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        recorded = None
+    if recorded is not None and recorded != key:
+        why = f"{name} changed since it was prepared in {out} (other files or contents)"
+    else:
+        why = f"{out} is damaged or incomplete"
+    if given:  # a copy in a checkpoint's vocabulary: made by train --init, not by prepare
+        return (
+            f"{why}; it is left as it is: restore the source, or remove {out} and run "
+            "txlm train --init again to encode the corpus anew"
+        )
+    where = "" if data_dir == default_data_dir() else f" --data-dir {data_dir}"
+    return (
+        f"{why}; it is left as it is: restore the source, or run txlm prepare {name} "
+        f"--level {level}{where} --force (a model trained on the old copy will not match it)"
+    )
 
 
 def _given_vocab_level(vocab: Vocab, level: str | None, options: dict) -> str:
@@ -254,6 +283,7 @@ def open_corpus(
     vocab_size: int | None = None,
     vocab: Vocab | None = None,
     lower_case: bool = False,
+    replace: bool = False,
 ) -> PreparedCorpus:
     """The prepared corpus ``dataset``, prepared under ``data_dir`` (default: ``$TXLM_DATA_DIR``
     or ./data) if there is no up-to-date copy, or read as it is when ``dataset`` is a prepared
@@ -267,6 +297,8 @@ def open_corpus(
     ``--data-dir``. ``log`` hears where a copy was prepared (``corpus.reused``: none was).
     ``vocab`` and ``lower_case``: as ``prepare_dataset`` (the corpus encoded with a given
     vocabulary; a prepared folder passed as ``dataset`` must have it).
+    ``replace``: rebuild a copy that is there but not up to date (``txlm prepare`` only);
+    without it such a copy is refused and left byte for byte as it is.
     """
     if vocab is not None:
         fingerprint = vocab.fingerprint
@@ -298,6 +330,7 @@ def open_corpus(
         vocab_size=vocab_size,
         vocab=vocab,
         lower_case=lower_case,
+        replace=replace,
     )
     corpus = load_prepared(path)
     corpus.reused = before is not None and _identity(path) == before

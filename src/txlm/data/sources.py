@@ -28,6 +28,11 @@ def parse_name(name: str) -> tuple[str, Path | None]:
         if not raw:
             raise DataError("text: needs a path, as in text:notes.txt or text:my_folder")
         return "text", Path(raw).expanduser()
+    if name.startswith("classes:"):
+        raise DataError(
+            f"{name} is a classification dataset (a folder per label): train a classifier on it "
+            "with txlm train --init CKPT --task classify"
+        )
     if name not in SPECS or name == "text":
         known = ", ".join(n for n in SPECS if n != "text")
         raise DataError(

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from txlm.data.bpe import renumber_by_count
 from txlm.data.corpora import SPLITS, RawCorpus
 from txlm.data.vocab import BPEVocab, Vocab
 from txlm.errors import DataError
+from txlm.progress import Progress
 
 INLINE_DOC_STARTS = 1 << 16  # more document offsets than this go to SPLIT.docs.bin
 
@@ -55,12 +55,12 @@ def encode_split(
     counts = np.zeros(len(vocab), dtype=np.int64)
     doc_start = vocab.doc_start_id
     file = folder / f"{split}.bin"
-    bar = tqdm(
-        desc=f"{folder.name.lstrip('.').rsplit('.', 3)[0]} {split}",  # .NAME.PID.XXXX.tmp
-        unit=" tokens",
-        unit_scale=True,
-        disable=not progress,
-        leave=False,
+    # a bar on a terminal; in a log a line every 30 s (the total is known only at the end)
+    bar = Progress(
+        f"{folder.name.lstrip('.').rsplit('.', 3)[0]} {split}",  # .NAME.PID.XXXX.tmp
+        None,
+        unit="tokens",
+        enabled=progress,
     )
     with open(file, "wb") as f, bar:
         for text, new_doc in source.pieces():

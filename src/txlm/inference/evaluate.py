@@ -36,6 +36,7 @@ from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXLOutput
+from txlm.progress import Progress
 
 LN2 = math.log(2.0)
 
@@ -204,16 +205,13 @@ def evaluate_tokens(
         model, tokens, lengths=used, batch_size=batch_size, max_segments=max_steps,
         precision=precision, kv_cache=kv_cache, compile=compile,
     )  # fmt: skip
-    bar = None
     n = len(tokens) - 1
     rows = max(1, min(batch_size, n))
     total = math.ceil(math.ceil(n / rows) / used.tgt_len)
     if max_steps is not None:
         total = min(total, max_steps)
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, desc=desc, unit="seg", leave=False, dynamic_ncols=True)
+    # a bar on a terminal, a line per tenth in a log; nothing for a split read within a second
+    bar = Progress(desc, total, unit="segments", enabled=progress)
     # Summed on the model's device: one host sync at the end, not one per segment.
     total_loss: Tensor | None = None
     count = n_segments = rows_used = 0
@@ -225,13 +223,11 @@ def evaluate_tokens(
             count += seg.tokens
             n_segments += 1
             rows_used = seg.input_ids.size(0)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if on_segment is not None:
                 on_segment(n_segments, total)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     loss = (0.0 if total_loss is None else total_loss.item()) / max(count, 1)
     seconds = time.perf_counter() - start
     result: dict[str, Any] = {

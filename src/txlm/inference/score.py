@@ -126,8 +126,10 @@ def score_file(
     same_length: bool | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
+    data: bytes | None = None,
 ) -> dict[str, Any]:
     """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
+    ``data``: the file's bytes, already read (standard input: ``path`` is its name only).
 
     ``checkpoint``: a directory or an open ``Checkpoint``. Lengths default to its evaluation
     lengths (``Checkpoint.lengths``). Symbols outside the vocabulary become ``<unk>`` when it
@@ -136,12 +138,13 @@ def score_file(
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
     used = ckpt.lengths(tgt_len, mem_len, clamp_len, same_length)
     file = Path(path)
-    if not file.is_file():
+    if data is None and not file.is_file():
         raise DataError(f"text file {file} does not exist")
     vocab = ckpt.vocab()
     model = ckpt.load_model(device)
+    raw = file.read_bytes() if data is None else data
     try:
-        text: str | bytes = file.read_bytes() if vocab.level == "byte" else file.read_text("utf-8")
+        text: str | bytes = raw if vocab.level == "byte" else raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise DataError(f"{file} is not UTF-8 text: {exc}") from None
     from txlm.checkpoints.convert import text_options  # a converted tokenizer's rules

@@ -6,6 +6,7 @@ Legend: B global batch rows, W ranks (each takes B / W contiguous rows), L segme
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,15 +33,55 @@ def open_training_corpus(
     built from its train split; ``lower_case``: lower-case the text first.
     """
     d = config.data
+    if vocab is None and d.level is None:  # every rank, before any of them prepares
+        d.level = level_prepared(d.dataset, d.data_dir, echo=echo and dist_info.is_main)
     corpus = None
     given = {"vocab": vocab, "lower_case": lower_case, "level": None if vocab else d.level}
     if dist_info.is_main:
         progress = echo and config.run.progress and sys.stderr.isatty()
         corpus = open_corpus(d.dataset, d.data_dir, progress=progress, **given)
+        skipped = (corpus.meta.get("corpus") or {}).get("skipped_empty") or []
+        if echo and skipped and not corpus.reused:  # as txlm prepare says it
+            print(
+                f"{d.dataset}: skipped {len(skipped)} empty document(s): {', '.join(skipped[:3])}"
+            )
     dist.barrier()
     if corpus is None:
         corpus = open_corpus(d.dataset, d.data_dir, **given)
     return corpus
+
+
+def level_prepared(dataset: str, data_dir: str | None, *, echo: bool) -> str | None:
+    """The level to train ``dataset`` at when ``data.level`` is unset: its default (None),
+    unless the default is not prepared and one other level is (``txlm prepare X --level bpe``
+    then ``txlm train --set data.dataset=X``): that one, said in a line. Several other levels
+    and not the default: refused, naming them."""
+    from txlm.data import recall, sources
+    from txlm.data.corpora import SPECS
+    from txlm.data.prepare import prepared_folder
+    from txlm.data.prepared import default_data_dir
+
+    if recall.is_recall(dataset) or (Path(dataset) / "meta.json").is_file():
+        return None
+    kind, _ = sources.parse_name(dataset)
+    folder = Path(data_dir) if data_dir else default_data_dir()
+    spec = SPECS[kind]
+    there = [
+        lv for lv in spec.levels if (prepared_folder(dataset, folder, lv) / "meta.json").is_file()
+    ]
+    if not there or spec.default_level in there:
+        return None
+    if len(there) > 1:
+        raise ConfigError(
+            f"{dataset} is prepared in {folder} at the levels {', '.join(there)}, not at its "
+            f"default {spec.default_level}: choose one with data.level"
+        )
+    if echo:
+        print(
+            f"{dataset}: prepared at the {there[0]} level only (in {folder}): training at that "
+            f"level (data.level={spec.default_level} prepares the default instead)"
+        )
+    return there[0]
 
 
 def unknown_shares(corpus: PreparedCorpus) -> dict[str, float] | None:

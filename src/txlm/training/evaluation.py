@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,10 @@ def evaluate_split(
     """Stream ``split`` with ``eval``'s lengths: at most ``eval.max_eval_steps`` segments, or
     when ``full`` the split's first ``eval.final_max_tokens`` tokens (None: all of them).
 
-    Progress: a bar on a terminal; into a file (stderr redirected), a line at every tenth
-    of the segments of a ``full`` evaluation, so a long one shows in a log that it moves.
+    Progress (``txlm.progress``): a bar on a terminal; into a file (stderr redirected), a
+    line at every tenth of the segments of a ``full`` evaluation that takes more than a
+    second, so a long one shows in a log that it moves (the run's capped validations stay
+    quiet there).
     """
     e = config.eval
     tokens = corpus.split(split)
@@ -59,30 +60,12 @@ def evaluate_split(
         precision=config.run.precision,
         metric=corpus.metric,
         tokens_per_byte=corpus.tokens_per_byte(split),
-        progress=show and terminal,
+        progress=show and (terminal or full),
         desc=desc or split,
-        on_segment=_progress_lines(desc or split) if show and full and not terminal else None,
     )
     result["split"] = split
     result["split_tokens"] = len(tokens)
     return result
-
-
-def _progress_lines(desc: str) -> Callable[[int, int], None]:
-    start = time.perf_counter()
-    tenth = [0]
-
-    def report(done: int, total: int) -> None:
-        now = done * 10 // max(total, 1)
-        if now > tenth[0]:
-            tenth[0] = now
-            print(
-                f"{desc}: {done}/{total} segments, {time.perf_counter() - start:.0f}s",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    return report
 
 
 def final_evaluation(

@@ -58,6 +58,7 @@ from txlm import atomic, resources
 from txlm.checkpoints import checkpoint
 from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.checkpoints.convert import text_options
+from txlm.checkpoints.dataset import dataset_record
 from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
@@ -140,15 +141,16 @@ class Trainer:
         # task: classify: labelled documents (classes:DIR) in place of the token corpus
         self.task = _classify_task(config, given_vocab, self.dist, self.echo)
         if self.task is None:
+            lower_case = bool(self.init and self.init.get("text", {}).get("lower_case"))
             self.corpus = open_training_corpus(
-                config, self.dist, echo=self.echo, vocab=given_vocab,
-                lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
-            )  # fmt: skip
+                config, self.dist, echo=self.echo, vocab=given_vocab, lower_case=lower_case
+            )
             self.vocab = self.corpus.vocab
             self.unknown = unknown_shares(self.corpus) if self.init is not None else None
             self.metric = self.corpus.metric
         else:
-            self.vocab, self.unknown, self.metric = given_vocab, None, self.task.metric
+            self.vocab, self.metric = given_vocab, self.task.metric
+            self.unknown = self.task.unknown_shares()
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
         if self.task is None:
             self.stream = training_stream(
@@ -211,12 +213,14 @@ class Trainer:
                 "vocab_fingerprint": self.vocab.fingerprint,
                 **(
                     {
-                        "dataset": {
-                            "name": config.data.dataset,
-                            "prepared": self.corpus.meta.get("name"),
-                            "level": self.corpus.level,
-                            "metric": self.metric,
-                        }
+                        "dataset": dataset_record(
+                            config.data.dataset,
+                            self.corpus.path,
+                            level=self.corpus.level,
+                            metric=self.metric,
+                            given_vocab=given_vocab is not None,
+                            lower_case=lower_case,
+                        )
                     }
                     if self.task is None
                     else self.task.run_info(self.model)  # task, labels, the split
@@ -463,6 +467,7 @@ class Trainer:
             metric=self.metric,
             to_metric=self._metric_value,
             interval=r.progress_interval,
+            unit="tok" if self.task is None else "doc",  # a classifier's steps count documents
         )
         train_log = TrainLog(
             log, report, metric=self.metric,
@@ -484,13 +489,29 @@ class Trainer:
             return
         c = self.config
         n_params = self.model.num_parameters()
+        unique = {id(p): p for p in self.model.parameters()}.values()  # tied tensors once
+        trainable = sum(p.numel() for p in unique if p.requires_grad)
+        count = f"{n_params / 1e6:.2f}M parameters"
+        if trainable != n_params:  # optim.freeze
+            count += f" ({trainable:,} of {n_params:,} trainable)"
+        # a fine-tune's model is its --init checkpoint's, whatever preset the other sections
+        # came from
+        model = c.preset if self.init is None else f"--init {self.init['path']}"
         print(
-            f"txlm train: {c.preset} on {c.data.dataset} "
+            f"txlm train: {model} on {c.data.dataset} "
             f"({self.task.level if self.task else self.corpus.level} level, "
-            f"{len(self.vocab)} symbols), {n_params / 1e6:.2f}M parameters, "
+            f"{len(self.vocab)} symbols), {count}, "
             f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
         )
         print("resolved configuration:\n" + _indent(c.to_yaml()))
+        o = c.optim
+        if 0 < o.max_steps < o.warmup_steps:
+            peak = learning_rate(o.max_steps - 1, o)
+            print(
+                f"note: optim.max_steps={o.max_steps} ends inside the warm-up "
+                f"(optim.warmup_steps={o.warmup_steps}): the learning rate rises to {peak:.3g} "
+                f"only, never to optim.lr={o.lr:g}; set optim.warmup_steps below max_steps"
+            )
         if self.init is not None:
             print(
                 f"started from {self.init['path']} (weights sha256 {self.init['weights_sha256']})"
@@ -508,7 +529,9 @@ class Trainer:
             return
         result = None
         if self.dist.is_main and self.task is not None:
-            result = self.task.evaluate_split(self.model, "valid")
+            result = self.task.evaluate_split(
+                self.model, "valid", progress=self.echo, desc="init valid"
+            )
         elif self.dist.is_main:
             result = evaluate_split(
                 self.model, self.corpus, self.config, "valid", full=True,
@@ -526,10 +549,17 @@ class Trainer:
             }
         )
         if self.echo:
-            print(
-                f"init valid: loss {result['loss']:.4f}, {self.metric} "
-                f"{result[self.metric]:.4f} over {result['tokens']} tokens"
-            )
+            if "accuracy" in result:  # a classifier's: over documents
+                print(
+                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                    f"{result[self.metric]:.4f}, accuracy {result['accuracy']:.4f} over "
+                    f"{result['documents']} documents"
+                )
+            else:
+                print(
+                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                    f"{result[self.metric]:.4f} over {result['tokens']} tokens"
+                )
 
     def _train(
         self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog

@@ -113,8 +113,10 @@ class ProgressReport:
         interval: int,
         to_metric: Callable[[float], float] | None = None,
         stream: TextIO | None = None,
+        unit: str = "tok",
     ) -> None:
         self.stream = stream if stream is not None else sys.stderr
+        self.unit = unit  # what a step's count counts: tokens, or a classifier's documents
         self.enabled = enabled
         self.metric = metric
         # loss (nats per token) -> the metric; bits per byte need the corpus's bytes per token
@@ -155,7 +157,7 @@ class ProgressReport:
                 loss=f"{mean:.3f}",
                 **{self.metric: f"{value:.3f}"},
                 lr=f"{lr:.2e}",
-                tok_s=f"{tok_s:.0f}",
+                **{f"{self.unit}_s": f"{tok_s:.0f}"},
                 refresh=False,
             )
             if step % self.interval == 0:
@@ -165,7 +167,7 @@ class ProgressReport:
             return
         self.stream.write(
             f"step {step}/{self.total}  loss {mean:.4f}  {self.metric} {value:.4f}  "
-            f"lr {lr:.3g}  {tok_s:.0f} tok/s  ETA {_duration(eta_s)}\n"
+            f"lr {lr:.3g}  {tok_s:.0f} {self.unit}/s  ETA {_duration(eta_s)}\n"
         )
         self.stream.flush()
         self._reset()

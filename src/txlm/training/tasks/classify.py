@@ -79,6 +79,19 @@ class ClassifyTask:
                 print(f"txlm train: {len(self.dataset.labels)} labels, {counts} documents; "
                       f"split recorded in {where}")  # fmt: skip
 
+    def unknown_shares(self) -> dict[str, float] | None:
+        """Each split's share of tokens that are the vocabulary's unknown symbol (None: it
+        has none), as a language model's run reports it for its corpus."""
+        unk = self.vocab.unk_id
+        if unk is None:
+            return None
+        shares = {}
+        for split in self.dataset.splits:
+            docs = self.dataset.split(split).docs
+            total = sum(int(d.size) for d in docs)
+            shares[split] = sum(int((d == unk).sum()) for d in docs) / max(total, 1)
+        return shares
+
     # -- what the trainer builds ----------------------------------------------------------
     def classifier_config(self) -> ClassifierConfig:
         c = self.config.classify
@@ -141,10 +154,13 @@ class ClassifyTask:
     def metric_value(loss: float) -> float:
         return loss / math.log(2)
 
-    def evaluate_split(self, model: Classifier, split: str) -> dict[str, Any]:
+    def evaluate_split(
+        self, model: Classifier, split: str, *, progress: bool = False, desc: str | None = None
+    ) -> dict[str, Any]:
         result = evaluate_documents(
-            model, self.dataset.split(split), batch_size=self.config.eval.batch_size
-        )
+            model, self.dataset.split(split), batch_size=self.config.eval.batch_size,
+            progress=progress and self.config.run.progress, desc=desc or split,
+        )  # fmt: skip
         result.update(split=split, bits=self.metric_value(result["loss"]))
         return result
 
@@ -159,7 +175,7 @@ class ClassifyTask:
         for split in ("valid", "test"):
             if not len(self.dataset.split(split)):
                 continue
-            result = self.evaluate_split(model, split)
+            result = self.evaluate_split(model, split, progress=echo, desc=f"final {split}")
             summary[split] = result
             if echo:
                 print(
