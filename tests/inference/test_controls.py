@@ -109,7 +109,7 @@ CONFIGS = {
     ),
 }
 # which of them the adaptive softmax still prunes (the others draw from the full softmax)
-PRUNED = {"min_p_plain", "min_p_top_p_hot", "min_p_top_k", "ban_top_k", "ban_shortlist_plain",
+PRUNED = {"min_p_plain", "min_p_top_k", "ban_top_k", "ban_shortlist_plain",
           "ban_greedy", "temperature_zero"}  # fmt: skip
 
 

@@ -236,8 +236,9 @@ def clusters_needed(
     from, as a rule on the head's log-probabilities: [B, shortlist + C] (the shortlist
     tokens', then one per cluster) -> bool [B, C]; what ``AdaptiveLogSoftmax.log_prob``
     (``need=``) computes. None where the head rules no cluster out (top-p alone, a
-    temperature without top-k or min-p, a top-k above the shortlist, a repetition penalty,
-    a ban on a tail token in plain sampling): the draw is then over the full distribution.
+    temperature without top-k or min-p, min-p with top-p at a temperature, a top-k above
+    the shortlist, a repetition penalty, a ban on a tail token in plain sampling): the draw
+    is then over the full distribution.
     ``noise``: the draw's random numbers (``draw_noise``), the same the draw is then given.
 
     A token of cluster c has log-probability head_c + log p(token | c) <= head_c, so:
@@ -247,8 +248,10 @@ def clusters_needed(
     - min-p without top-k: a cluster whose head_c is below the best allowed shortlist
       log-probability + T log(min_p) holds no token min-p keeps (the best of the vocabulary
       is at least the shortlist's); the tokens it keeps are then exact, and those of a
-      skipped cluster, head_c - log n_c, fall below the cut too, so top-p ranks and weighs
-      the kept tokens as over the full softmax;
+      skipped cluster, head_c - log n_c, fall below the cut too; under top-p only at
+      temperature 1, where a skipped cluster keeps its mass, so top-p ranks and weighs the
+      kept tokens as over the full softmax (tempered, the evenly spread mass is not the
+      cluster's);
     - plain sampling (temperature 1): the inverse CDF over the vocabulary, laid out
       shortlist then cluster by cluster as the head is, falls at its uniform inside the
       cluster the head's own inverse CDF draws at it (banned shortlist tokens removed from
@@ -278,7 +281,8 @@ def clusters_needed(
     if config.top_k is not None:
         return None
     ratio = config.min_ratio
-    if ratio is not None:
+    plain = config.top_p is None or config.top_p >= 1.0
+    if ratio is not None and (plain or config.temperature == 1.0):
         margin = config.temperature * math.log(ratio)
 
         def above_cut(head: Tensor) -> Tensor:
@@ -286,8 +290,7 @@ def clusters_needed(
             return head[:, shortlist:] >= best + margin
 
         return above_cut
-    plain = config.top_p is None or config.top_p >= 1.0
-    if not plain or config.temperature != 1.0 or len(banned) < len(config.ban):
+    if ratio is not None or not plain or config.temperature != 1.0 or len(banned) < len(config.ban):
         return None
     assert noise is not None
 
