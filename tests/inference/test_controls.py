@@ -5,7 +5,7 @@ The reference recomputes every next-token distribution with the model's plain fo
 the whole context (no memory, no cache, the full adaptive softmax), applies each control by
 hand in plain torch (one row at a time, the penalty token by token), and draws with the same
 mechanism from a generator in the same state (an exponential race over the top-k candidates,
-else the inverse CDF at one uniform), each row from its own generator seeded seed + j. The
+else the inverse CDF at one uniform), row r from its own generator seeded seed + r. The
 ids of ``txlm.generate`` (cached, pruned adaptive softmax, batches, samples) must equal its.
 """
 
@@ -79,7 +79,8 @@ def reference_draw(scores: torch.Tensor, config: SamplingConfig, g: torch.Genera
 
 
 def reference_generate(model, prompts, config, seed, num_samples, new=NEW):
-    rows = [(list(p), seed + j) for p in prompts for j in range(num_samples)]
+    rows = [list(p) for p in prompts for _ in range(num_samples)]
+    rows = [(r, seed + i) for i, r in enumerate(rows)]  # row i's own generator, seed + i
     out = []
     for prompt, row_seed in rows:
         g = torch.Generator().manual_seed(row_seed)
@@ -152,12 +153,12 @@ def test_temperature_zero_is_greedy(model) -> None:
     assert SamplingConfig(temperature=0).greedy
 
 
-def test_each_sample_is_drawn_again_alone_from_its_own_seed(model) -> None:
+def test_each_row_is_drawn_again_alone_from_its_own_seed(model) -> None:
     rows = generate(model, PROMPTS, max_new_tokens=NEW, seed=11, num_samples=3, top_k=None)
     assert len({tuple(r) for r in rows}) == 6
     for i, prompt in enumerate(PROMPTS):
         for j in range(3):
-            alone = generate(model, prompt, max_new_tokens=NEW, seed=11 + j, top_k=None)
+            alone = generate(model, prompt, max_new_tokens=NEW, seed=11 + 3 * i + j, top_k=None)
             assert alone == [rows[3 * i + j]]
 
 

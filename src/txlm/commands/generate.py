@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--seed", type=int, default=None, metavar="S",
-        help="same seed, same text; sample j of each prompt is drawn with seed S + j",
+        help="same seed, same text; sample r (all prompts' in order) is drawn with seed S + r - 1",
     )  # fmt: skip
     p.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt")
     p.add_argument(
@@ -230,9 +230,9 @@ def run(args: argparse.Namespace) -> int:
         ban += banned_ids(vocab, None, prompts)
     sampling = dataclasses.replace(sampling, ban=ban)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    seeds = sample_seeds(seed, args.num_samples)
+    seeds = sample_seeds(seed, len(prompts) * args.num_samples)  # one per row, prompt-major
     if args.seed is None and not args.json:
-        more = f" (sample j: {seed} + j)" if args.num_samples > 1 else ""
+        more = f" (sample r: {seed} + r - 1)" if len(seeds) > 1 else ""
         sys.stderr.write(f"txlm: seed {seed}{more}\n")
 
     live = args.num_samples == 1 and len(prompts) == 1 and not args.json
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         result = {
             "checkpoint": str(args.checkpoint),
             "seed": seed,
-            "seeds": [seeds[j] for _, j in rows],  # each sample's own: drawn again alone
+            "seeds": seeds,  # each sample's own: its prompt alone with it draws it again
             "prompt_tokens": [len(p) for p in prompts],
             "new_tokens": n_new,
             "new_tokens_per_sample": [len(s.ids) for s in streams],  # fewer where one stopped
@@ -292,12 +292,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         # each prompt once, then its samples: the generated text only, each under a header
         # that marks where it starts (a long --prompt-file is not repeated per sample)
-        for (i, j), s in zip(rows, streams, strict=True):
+        for (i, j), s, row_seed in zip(rows, streams, seeds, strict=True):
             if j == 0:
                 which = f"prompt {i + 1}" if len(prompts) > 1 else "prompt"
                 sys.stdout.write(f"=== {which} ===\n{texts[i]}\n")
             which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
-            sys.stdout.write(f"=== {which} (seed {seeds[j]}): generated ===\n{s.row.text()}\n")
+            sys.stdout.write(f"=== {which} (seed {row_seed}): generated ===\n{s.row.text()}\n")
     sys.stdout.flush()
     sys.stderr.write(
         f"txlm: {produced} tokens in {elapsed:.2f}s "

@@ -11,8 +11,8 @@ samples of a prompt included, decodes in one batch; a prompt with several sample
 once, its cache rows then repeated. No step or draw reads a value back to the host;
 ``stream`` syncs once per token, to hand the ids out.
 
-Seeds. With ``seed``, sample j of every prompt draws from its own generator, seeded
-``seed + j`` (``sample_seeds``): that prompt alone with ``num_samples=1, seed=seed + j``
+Seeds. With ``seed``, row r (prompts x samples, prompt-major) draws from its own generator,
+seeded ``seed + r`` (``sample_seeds``): its prompt alone with ``num_samples=1, seed=seed + r``
 draws the same sample again (one generator for every row: ``generator=``).
 
 A repetition penalty reads each row's tokens so far, which a compiled step does not hold:
@@ -72,16 +72,16 @@ def _check_samples(num_samples: int) -> None:
         raise ConfigError(f"num-samples must be an integer >= 1, got {num_samples!r}")
 
 
-def sample_seeds(seed: int, num_samples: int) -> list[int]:
-    """The seed of sample j of each prompt: ``seed + j`` (the same for every prompt)."""
-    return [seed + j for j in range(num_samples)]
+def sample_seeds(seed: int, rows: int) -> list[int]:
+    """Each row's seed, rows prompt-major (prompts x samples): row r draws with ``seed + r``."""
+    return [seed + r for r in range(rows)]
 
 
 def _generators(
     seed: int | None, prompts: int, num_samples: int, device: torch.device
 ) -> Generators:
-    """One generator per row, prompt-major, row (i, j) seeded ``seed + j``; one for a batch
-    of one row; without a seed one generator, seeded nondeterministically (and leaving the
+    """One generator per row, row r (prompt-major) seeded ``seed + r``; one for a batch of
+    one row; without a seed one generator, seeded nondeterministically (and leaving the
     global RNG alone)."""
     if seed is None:
         generator = torch.Generator(device=device)
@@ -89,8 +89,7 @@ def _generators(
         return generator
     rows = [
         torch.Generator(device=device).manual_seed(s)
-        for _ in range(prompts)
-        for s in sample_seeds(seed, num_samples)
+        for s in sample_seeds(seed, prompts * num_samples)
     ]
     return rows[0] if len(rows) == 1 else rows
 
@@ -113,7 +112,7 @@ def stream(
     """Yield the new tokens one step at a time: [B] ids per step, B = prompts x num_samples
     (prompt-major: the samples of prompt 0 first).
 
-    ``seed``: sample j of every prompt draws from a generator seeded ``seed + j``;
+    ``seed``: row r draws from a generator seeded ``seed + r``;
     ``generator``: one generator for every row instead. ``stop_id``: a row that has drawn it
     is finished; from then on it yields ``stop_id`` again (padding) and the stream ends once
     every row is finished. ``sampling.stop`` is not read here (``generate`` and the CLI match
@@ -204,7 +203,8 @@ def generate(
 
     Sampling options as in ``SamplingConfig`` (``sampling`` overrides the keyword ones, its
     ``ban`` and ``stop`` as they are). ``temperature=0`` is greedy. The same ``seed`` gives
-    the same ids; sample j of each prompt is drawn from seed ``seed + j``. ``stop_id`` (e.g.
+    the same ids; row r is drawn from seed ``seed + r`` (its prompt alone, ``num_samples=1``
+    and ``seed + r``: the same ids). ``stop_id`` (e.g.
     the vocabulary's ``<eos>``): each row ends with the first one it draws.
 
     ``vocab`` (the checkpoint's, ``txlm.load_vocab``): what decodes the text stop strings are
