@@ -108,4 +108,7 @@ def test_unk_is_banned_by_default_unless_the_prompt_holds_it(char_model) -> None
     assert unk in generate(favour, prompt, **kw)[0]  # no vocabulary: nothing known to ban
     assert unk not in generate(favour, prompt, vocab=vocab, **kw)[0]
     assert unk in generate(favour, [*prompt, unk], vocab=vocab, **kw)[0]
+    # a batch shares its bans: a prompt without <unk> beside one with it never draws it
+    rows = generate(favour, [prompt, [*prompt, unk]], vocab=vocab, **kw)
+    assert unk not in rows[0] + rows[1]
     assert unk not in generate(favour, prompt, vocab=vocab, ban=["<unk>", "a"], **kw)[0]

@@ -142,7 +142,9 @@ def stream(
     if len(sampling.ban) >= vocab:
         raise ConfigError("every token of the vocabulary is banned")
     decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile)
-    generators = generator or _generators(seed, len(rows), num_samples, decoder.device)
+    generators = generator
+    if generators is None:
+        generators = _generators(seed, len(rows), num_samples, decoder.device)
     if max_new_tokens == 0:
         return
     history = sampling.penalised  # the draw reads each row's tokens so far, after the step
@@ -209,10 +211,10 @@ def generate(
 
     ``vocab`` (the checkpoint's, ``txlm.load_vocab``): what decodes the text stop strings are
     matched in, and names ``ban`` may give. ``ban``: token ids or symbols never drawn; None
-    (the default) bans ``<unk>`` when ``vocab`` has one and no prompt holds it, ``()`` bans
-    nothing. ``stop``: stop strings; a row ends when its generated text holds one, and its
-    ids end before it (txlm.inference.stops: the longest prefix of the new ids whose text
-    ends at or before the stop string).
+    (the default) bans ``<unk>`` when ``vocab`` has one, unless every prompt holds it;
+    ``()`` bans nothing. ``stop``: stop strings; a row ends when its generated text holds
+    one, and its ids end before it (txlm.inference.stops: the longest prefix of the new ids
+    whose text ends at or before the stop string).
     """
     rows = _as_rows(prompts)
     if sampling is None:

@@ -79,11 +79,12 @@ def banned_ids(
     vocab: Any, ban: Sequence[int | str] | None, prompts: Sequence[Sequence[int]]
 ) -> tuple[int, ...]:
     """The token ids a sample never draws. ``ban``: ids or symbols of ``vocab`` (symbols
-    need it); None, the default: ``<unk>`` when ``vocab`` has one and no prompt holds it
-    (a batch of prompts shares its bans), nothing without a vocabulary; ``()``: nothing."""
+    need it); None, the default: ``<unk>`` when ``vocab`` has one, unless every prompt holds
+    it (a batch shares its bans, so no sample of a prompt without it draws it), nothing
+    without a vocabulary; ``()``: nothing."""
     if ban is None:
         unk = None if vocab is None else vocab.unk_id
-        if unk is None or any(unk in p for p in prompts):
+        if unk is None or all(unk in p for p in prompts):
             return ()
         return (int(unk),)
     if isinstance(ban, str | int):
