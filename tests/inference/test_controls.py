@@ -182,3 +182,21 @@ def test_bad_control_values_are_refused(model, kwargs: dict, message: str) -> No
 
     with pytest.raises(ConfigError, match=message):
         generate(model, PROMPTS, max_new_tokens=2, **kwargs)
+
+
+def test_sample_each_draws_every_row_as_it_would_alone() -> None:
+    """A server's batch: each row its own settings and generator; the same ids as drawing
+    each row alone."""
+    from txlm.inference.sampling import sample, sample_each, seen_tokens
+
+    logp = (torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 3).log_softmax(-1)
+    configs = [CONFIGS[n] for n in ("penalty_top_k", "min_p_plain", "penalty_top_k",
+                                    "ban_greedy", "all", "min_p_plain")]  # fmt: skip
+    seen = seen_tokens([[1, 2], [3], [4, 5, 6], [7], [8, 9], []], 64)
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(6)]
+        got = sample_each(logp, configs, gens, seen=seen)
+        for b in range(6):
+            g = torch.Generator().manual_seed(seed * 10 + b)
+            alone = sample(logp[b : b + 1], configs[b], g, seen=seen[b : b + 1])
+            assert int(got[b]) == int(alone[0])

@@ -13,6 +13,8 @@ API (stable; txlm.inference.generate and the server build on it)
         ``generator``: one ``torch.Generator`` for the batch, or one per row (a sequence of B).
         ``seen``: bool [B, V], the tokens already present in each row (``seen_tokens``),
         needed by a repetition penalty.
+    ``sample_each(scores, configs, generators, *, seen=None) -> [B] ids``: each row with its
+        own settings and generator (a server's batch); rows that share settings draw together.
     ``filter_log_probs(scores, config, seen=None) -> [B, V]``: the controls applied, the
         excluded tokens at -inf: softmax of it is the distribution a draw samples.
     ``seen_tokens(rows, vocab, device)`` / ``mark_seen(seen, ids)``: the presence mask a
@@ -227,6 +229,34 @@ def sample(
         return ids.gather(1, race(probs, noise)).squeeze(1)
     probs = truncate(scores.float(), config).softmax(dim=-1)
     return cdf_index(probs.cumsum(dim=-1), noise.to(probs.dtype))
+
+
+def sample_each(
+    scores: Tensor,
+    configs: Sequence[SamplingConfig],
+    generators: Sequence[torch.Generator | None],
+    *,
+    seen: Tensor | None = None,
+) -> Tensor:
+    """One draw per row, row b with ``configs[b]`` and ``generators[b]``: [B, V] scores
+    (log-probabilities where a row has a repetition penalty) -> [B] ids. Rows of equal
+    settings are drawn in one ``sample`` call, each still from its own generator, so every
+    row draws what it would alone. ``seen``: bool [B, V] (``seen_tokens``), needed where a
+    row has a repetition penalty."""
+    if not len(configs) == len(generators) == scores.size(0):
+        raise ConfigError(
+            f"{len(configs)} settings and {len(generators)} generators for {scores.size(0)} rows"
+        )
+    out = torch.empty(scores.size(0), dtype=torch.long, device=scores.device)
+    groups: dict[SamplingConfig, list[int]] = {}
+    for b, config in enumerate(configs):
+        groups.setdefault(config, []).append(b)
+    for config, rows in groups.items():
+        index = torch.tensor(rows, device=scores.device)
+        part = None if seen is None else seen.index_select(0, index)
+        gens = [generators[b] for b in rows]
+        out[index] = sample(scores.index_select(0, index), config, gens, seen=part)
+    return out
 
 
 def clusters_needed(
