@@ -70,6 +70,30 @@ CASES: list[Case] = [
         uses=("run",),
     ),
     Case(
+        "generate-min-p-above-one",
+        ["generate", "run/best", "--prompt", "The", "--min-p", "2"],
+        "min-p",
+        uses=("run",),
+    ),
+    Case(
+        "generate-negative-repetition-penalty",
+        ["generate", "run/best", "--prompt", "The", "--repetition-penalty", "-1"],
+        "repetition penalty",
+        uses=("run",),
+    ),
+    Case(
+        "generate-ban-unknown-symbol",
+        ["generate", "run/best", "--prompt", "The", "--ban", "no-such-symbol"],
+        "cannot ban",
+        uses=("run",),
+    ),
+    Case(
+        "generate-empty-stop-string",
+        ["generate", "run/best", "--prompt", "The", "--stop", ""],
+        "stop strings",
+        uses=("run",),
+    ),
+    Case(
         "generate-zero-samples",
         ["generate", "run/best", "--prompt", "The", "--num-samples", "0"],
         "num-samples",

@@ -66,8 +66,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
         (["--top-k", "0"], "top-k"),
         (["--top-p", "0"], "top-p"),
         (["--top-p", "1.5"], "top-p"),
-        (["--temperature", "0"], "temperature"),
         (["--temperature", "-2"], "temperature"),
+        (["--min-p", "1.5"], "min-p"),
+        (["--repetition-penalty", "0"], "repetition penalty"),
+        (["--ban", "nosuchsymbol"], "cannot ban"),
+        (["--stop", ""], "stop strings"),
         (["--max-new-tokens", "-1"], "max-new-tokens"),
         (["--num-samples", "0"], "num-samples"),
         (["--precision", "fp16"], "fp16 needs a GPU"),
@@ -136,7 +139,7 @@ def test_subprocess_generate_streams_seeded_text(char_ckpt) -> None:
     assert len(result["sample_ids"][0]) == 30  # 30 tokens (a random model may draw <unk>)
     assert first.stdout == "ROMEO:" + result["samples"][0] + "\n"  # same seed, same text
     model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
-    [ids] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5)
+    [ids] = txlm.generate(model, vocab.encode("ROMEO:"), max_new_tokens=30, seed=5, vocab=vocab)
     assert result["sample_ids"][0] == ids  # the CLI is the library
     # the rate is the decoding's, after the first token (which a --compile run compiles)
     assert 0 < result["first_token_s"] < result["seconds"]
@@ -342,4 +345,54 @@ def test_prompt_file_with_several_samples_prints_the_prompt_once(char_ckpt, tmp_
     assert main([*base, "--json"]) == 0
     samples = json.loads(capsys.readouterr().out)["samples"]
     for j, text in enumerate(samples, 1):
-        assert f"=== sample {j} (seed 4): generated ===\n{text}\n" in out
+        assert f"=== sample {j} (seed {3 + j}): generated ===\n{text}\n" in out
+
+
+def test_each_sample_prints_its_seed_and_is_drawn_again_alone(word_ckpt, capsys) -> None:
+    base = ["generate", str(word_ckpt), "--max-new-tokens", "8", "--top-k", "5"]
+    prompts = ["--prompt", "the cat", "--prompt", "a dog"]
+    assert main([*base, *prompts, "--seed", "7", "--num-samples", "3", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["seeds"] == [7, 8, 9, 10, 11, 12]
+    assert len(set(map(tuple, result["sample_ids"]))) > 1
+    texts = ["the cat"] * 3 + ["a dog"] * 3
+    for row, (prompt, seed) in enumerate(zip(texts, result["seeds"], strict=True)):
+        assert main([*base, "--prompt", prompt, "--seed", str(seed), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["sample_ids"] == [result["sample_ids"][row]]
+    assert main([*base, *prompts[:2], "--seed", "7", "--num-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "=== sample 1 (seed 7): generated ===" in out
+    assert "=== sample 2 (seed 8): generated ===" in out
+
+
+def test_temperature_zero_is_greedy(char_ckpt, capsys) -> None:
+    base = ["generate", str(char_ckpt), "--prompt", "ab", "--max-new-tokens", "10", "--json"]
+    assert main([*base, "--greedy"]) == 0
+    greedy = json.loads(capsys.readouterr().out)["sample_ids"]
+    assert main([*base, "--temperature", "0", "--seed", "3"]) == 0
+    assert json.loads(capsys.readouterr().out)["sample_ids"] == greedy
+
+
+def test_controls_from_the_command_line_are_the_librarys(char_ckpt, capsys) -> None:
+    """--stop, --ban, --min-p, --repetition-penalty and the default <unk> ban give what
+    txlm.generate gives with the same settings; the live text ends before the stop string."""
+    model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
+    argv = ["generate", str(char_ckpt), "--prompt", "ROMEO:", "--max-new-tokens", "40",
+            "--seed", "2", "--top-k", "20"]  # fmt: skip
+    flags = ["--ban", "e", "--min-p", "0.05", "--repetition-penalty", "1.3"]
+    assert main([*argv, *flags, "--json"]) == 0
+    free = json.loads(capsys.readouterr().out)["samples"][0]
+    stop = free[10:12]
+    flags += ["--stop", stop]
+    assert main([*argv, *flags, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    [want] = txlm.generate(
+        model, vocab.encode("ROMEO:"), max_new_tokens=40, seed=2, top_k=20, min_p=0.05,
+        repetition_penalty=1.3, ban=["e", "<unk>"], stop=[stop], vocab=vocab,
+    )  # fmt: skip
+    assert result["sample_ids"] == [want]
+    text = result["samples"][0]
+    assert text == free[: free.index(stop)] and len(text) <= 10
+    assert "e" not in free and "<unk>" not in free
+    assert main([*argv, *flags]) == 0  # live: the prompt, the text, a newline
+    assert capsys.readouterr().out == "ROMEO:" + text + "\n"

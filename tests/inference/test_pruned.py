@@ -60,6 +60,15 @@ CONFIGS = {
     "top_k_cold": SamplingConfig(top_k=3, temperature=0.6),
     "top_k_top_p": SamplingConfig(top_k=8, top_p=0.7, temperature=1.3),
     "plain": SamplingConfig(top_k=None),
+    # the controls: bans in the shortlist (the k-th best, the argmax and the CDF taken
+    # without them) and in the tail, min-p alone and under top-p at a temperature
+    "greedy_ban": SamplingConfig(greedy=True, ban=(0, 3, 30)),
+    "top_k_ban": SamplingConfig(top_k=4, ban=(1, 2, 5, 50)),
+    "plain_ban": SamplingConfig(top_k=None, ban=(0, 4, 6)),
+    "min_p": SamplingConfig(top_k=None, min_p=0.02),
+    "min_p_hot": SamplingConfig(top_k=None, min_p=0.05, temperature=1.5),
+    "min_p_top_p": SamplingConfig(top_k=None, min_p=0.05, top_p=0.9),
+    "min_p_ban": SamplingConfig(top_k=None, min_p=0.02, ban=(2, 7, 33)),
 }
 
 
@@ -85,6 +94,7 @@ def test_pruned_draws_equal_the_full_softmax_draws(name: str) -> None:
             torch.testing.assert_close(mass, torch.ones_like(mass), atol=1e-5, rtol=0)
     full, pruned = torch.cat(full), torch.cat(pruned)
     assert torch.equal(pruned, full)
+    assert not set(full.tolist()) & set(config.ban)
     assert set(_cluster_of(full).tolist()) == {0, 1, 2, 3}  # every cluster drawn from
     # clusters really are skipped, and each is still computed where it may hold the draw
     assert all(0 < n < len(batches) for n in computed), computed
@@ -119,8 +129,12 @@ def test_settings_it_cannot_prune_draw_from_the_full_distribution() -> None:
     softmax, _ = _softmax()
     noise = torch.rand(1, 1)
     for config in (SamplingConfig(top_k=None, top_p=0.8), SamplingConfig(top_k=None,
-                   temperature=0.7), SamplingConfig(top_k=20)):  # fmt: skip
-        assert clusters_needed(config, softmax.shortlist, noise) is None  # (20 > the shortlist)
+                   temperature=0.7), SamplingConfig(top_k=20),  # (20 > the shortlist)
+                   SamplingConfig(top_k=None, ban=(2, 30)),  # a tail ban moves the CDF
+                   # tempered, a skipped cluster's spread mass is not its own: top-p moves
+                   SamplingConfig(top_k=None, min_p=0.05, top_p=0.9, temperature=1.5),
+                   SamplingConfig(greedy=True, repetition_penalty=1.2)):  # fmt: skip
+        assert clusters_needed(config, softmax.shortlist, noise) is None
 
 
 def test_generation_of_an_adaptive_model_draws_through_the_pruned_head(monkeypatch) -> None:

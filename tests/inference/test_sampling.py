@@ -78,7 +78,6 @@ def test_greedy_is_argmax() -> None:
         (dict(top_p=0.0), "top-p"),
         (dict(top_p=1.5), "top-p"),
         (dict(top_p=-0.1), "top-p"),
-        (dict(temperature=0.0), "temperature"),
         (dict(temperature=-1.0), "temperature"),
         (dict(temperature=math.nan), "temperature"),
     ],

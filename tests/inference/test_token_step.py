@@ -42,6 +42,9 @@ CONFIGS = {
     "top_k_top_p": SamplingConfig(top_k=8, top_p=0.7, temperature=1.3),
     "top_p": SamplingConfig(top_k=None, top_p=0.8),  # not pruned: the full draw in the graph
     "plain": SamplingConfig(top_k=None),
+    # the controls a compiled step holds: bans (slices set to -inf) and min-p, still pruned
+    "min_p_ban": SamplingConfig(top_k=None, min_p=0.01, ban=(0, 3)),
+    "greedy_ban": SamplingConfig(greedy=True, ban=(2, 30)),
 }
 
 
@@ -95,7 +98,8 @@ def _check(backend, name: str, steps: int, prompts=PROMPTS, reached: int = 4) ->
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_compiled_token_step_draws_the_eager_and_full_softmax_tokens(name: str) -> None:
-    _check("aot_eager", name, steps=300)
+    _check("aot_eager", name, steps=300, reached=3 if name == "min_p_ban" else 4)  # (min-p
+    # cuts the rarest cluster here)
 
 
 @pytest.mark.parametrize("name", ["top_k", "plain"])

@@ -9,6 +9,7 @@ it has one (a note on stderr says how many); without ``<unk>`` the prompt is ref
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -24,9 +25,16 @@ from txlm.commands.options import add_device_options, apply_threads
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import ConfigError
-from txlm.inference.generate import stream
-from txlm.inference.prompts import encode_prompt, end_token, read_prompt_file, start_token
+from txlm.inference.generate import sample_seeds, stream
+from txlm.inference.prompts import (
+    banned_ids,
+    encode_prompt,
+    end_token,
+    read_prompt_file,
+    start_token,
+)
 from txlm.inference.sampling import SamplingConfig
+from txlm.inference.stops import Continuation
 
 DEFAULT_MAX_CONTEXT = 512  # Appendix E: "a context of up to 512 tokens"
 
@@ -50,9 +58,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="default 200")
     p.add_argument("--top-k", type=int, default=40, metavar="K", help="default 40 (paper)")
     p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus, in (0, 1]")
-    p.add_argument("--temperature", type=float, default=1.0, metavar="T", help="> 0, default 1")
+    p.add_argument(
+        "--min-p", type=float, default=None, metavar="P",
+        help="keep tokens at least P times as likely as the most likely one, in [0, 1]",
+    )  # fmt: skip
+    p.add_argument(
+        "--temperature", type=float, default=1.0, metavar="T", help=">= 0, default 1 (0: greedy)"
+    )
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="same seed, same text")
+    p.add_argument(
+        "--repetition-penalty", type=float, default=1.0, metavar="R",
+        help="divide the scores of tokens already present by R (CTRL; default 1: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--ban", metavar="TOKEN", action="append", default=[],
+        help="never draw this vocabulary symbol (repeatable); <unk> is banned by default",
+    )  # fmt: skip
+    p.add_argument(
+        "--allow-unk", action="store_true",
+        help="let samples draw <unk> (banned by default unless every prompt holds it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--stop", metavar="TEXT", action="append", default=[],
+        help="end a sample where its text reaches TEXT, excluded (repeatable)",
+    )  # fmt: skip
+    p.add_argument(
+        "--seed", type=int, default=None, metavar="S",
+        help="same seed, same text; sample r (all prompts' in order) is drawn with seed S + r - 1",
+    )  # fmt: skip
     p.add_argument("--num-samples", type=int, default=1, metavar="K", help="samples per prompt")
     p.add_argument(
         "--max-context",
@@ -93,26 +126,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 class _TextStream:
-    """Writes the decoded continuation as tokens arrive (decode of the whole, minus what was
-    written: safe for vocabularies whose decode joins with spaces or assembles bytes)."""
+    """One row's continuation (txlm.inference.stops.Continuation: ended by a stop string or
+    the stop id), written as tokens arrive when ``out`` is given: the decoding of the whole
+    minus what was written (safe for vocabularies whose decode joins with spaces or
+    assembles bytes), holding back what may yet begin a stop string."""
 
-    def __init__(self, vocab: Any, prompt_ids: list[int], out: Any) -> None:
-        self.vocab, self.prompt, self.out = vocab, prompt_ids, out
-        self.base = vocab.decode(prompt_ids)
-        self.ids: list[int] = []
+    def __init__(
+        self, vocab: Any, prompt_ids: list[int], out: Any, stops: Any, stop_id: int | None
+    ) -> None:
+        self.row = Continuation(vocab.decode, prompt_ids, stops, stop_id)
+        self.out = out
         self.written = 0
 
-    def text(self) -> str:
-        return self.vocab.decode(self.prompt + self.ids)[len(self.base) :]
+    @property
+    def ids(self) -> list[int]:
+        return self.row.ids
 
     def push(self, tid: int, *, final: bool = False) -> None:
-        self.ids.append(tid)
-        self.flush(final=final)
+        self.row.push(tid)
+        if self.out is not None:
+            self.flush(final=final)
 
     def flush(self, *, final: bool = False) -> None:
-        text = self.text()
-        if not final:
+        row = self.row
+        text = row.text()
+        if not final and not row.done:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence may still complete
+            if row.matcher is not None:
+                text = text[: row.matcher.safe(text)]
         if len(text) > self.written:
             self.out.write(text[self.written :])
             self.out.flush()
@@ -141,8 +182,9 @@ def _check_memory(
 def run(args: argparse.Namespace) -> int:
     # Cheap checks first: a bad flag should not wait for a model to load.
     sampling = SamplingConfig(
-        top_k=args.top_k, top_p=args.top_p, temperature=args.temperature, greedy=args.greedy
-    )
+        top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, temperature=args.temperature,
+        greedy=args.greedy, repetition_penalty=args.repetition_penalty, stop=tuple(args.stop),
+    )  # fmt: skip
     if args.max_new_tokens < 0:
         raise ConfigError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.num_samples < 1:
@@ -183,14 +225,21 @@ def run(args: argparse.Namespace) -> int:
     start = start_token(vocab)
     if start is None and not all(prompts):
         raise ConfigError("empty prompt, and the vocabulary has no symbol to start from")
+    ban = banned_ids(vocab, args.ban, prompts)
+    if not args.allow_unk:
+        ban += banned_ids(vocab, None, prompts)
+    sampling = dataclasses.replace(sampling, ban=ban)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    seeds = sample_seeds(seed, len(prompts) * args.num_samples)  # one per row, prompt-major
     if args.seed is None and not args.json:
-        sys.stderr.write(f"txlm: seed {seed}\n")
+        more = f" (sample r: {seed} + r - 1)" if len(seeds) > 1 else ""
+        sys.stderr.write(f"txlm: seed {seed}{more}\n")
 
     live = args.num_samples == 1 and len(prompts) == 1 and not args.json
     # one stream per row, prompt-major like txlm.inference.generate.stream
     rows = [(i, j) for i in range(len(prompts)) for j in range(args.num_samples)]
-    streams = [_TextStream(vocab, prompts[i], sys.stdout) for i, _ in rows]
+    out = sys.stdout if live else None
+    streams = [_TextStream(vocab, prompts[i], out, sampling.stop, stop) for i, _ in rows]
     if live:
         sys.stdout.write(texts[0])
         sys.stdout.flush()
@@ -209,12 +258,10 @@ def run(args: argparse.Namespace) -> int:
                 first_at = time.perf_counter()
             final = n_new == args.max_new_tokens
             for s, tid in zip(streams, tokens.tolist(), strict=True):
-                if stop is not None and s.ids and s.ids[-1] == stop:
-                    continue  # this row has ended; the stream pads it
-                if live:
-                    s.push(int(tid), final=final or tid == stop)
-                else:
-                    s.ids.append(int(tid))
+                if not s.row.done:  # (an ended row's draws are not its sample)
+                    s.push(int(tid), final=final)
+            if all(s.row.done for s in streams):
+                break
     elapsed = time.perf_counter() - began
     produced = sum(len(s.ids) for s in streams)  # rows stopped at <eos> count what they drew
     # the decoding rate, after the first token: a one-off compile is reported apart
@@ -226,11 +273,12 @@ def run(args: argparse.Namespace) -> int:
         result = {
             "checkpoint": str(args.checkpoint),
             "seed": seed,
+            "seeds": seeds,  # each sample's own: its prompt alone with it draws it again
             "prompt_tokens": [len(p) for p in prompts],
             "new_tokens": n_new,
             "new_tokens_per_sample": [len(s.ids) for s in streams],  # fewer where one stopped
-            "samples": [s.text() for s in streams],
-            "sample_ids": [s.ids for s in streams],
+            "samples": [s.row.text() for s in streams],  # up to a stop string, excluded
+            "sample_ids": [s.row.kept_ids() for s in streams],
             "seconds": round(elapsed, 6),
             "first_token_s": round(first_s, 6),
             "tokens_per_s": round(rate, 2),  # after the first token
@@ -239,17 +287,17 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if live:
         streams[0].flush(final=True)
-        if not streams[0].text().endswith("\n"):  # a sample stopped at a newline has one
+        if not streams[0].row.text().endswith("\n"):  # a sample stopped at a newline has one
             sys.stdout.write("\n")
     else:
         # each prompt once, then its samples: the generated text only, each under a header
         # that marks where it starts (a long --prompt-file is not repeated per sample)
-        for (i, j), s in zip(rows, streams, strict=True):
+        for (i, j), s, row_seed in zip(rows, streams, seeds, strict=True):
             if j == 0:
                 which = f"prompt {i + 1}" if len(prompts) > 1 else "prompt"
                 sys.stdout.write(f"=== {which} ===\n{texts[i]}\n")
             which = f"prompt {i + 1}, sample {j + 1}" if len(prompts) > 1 else f"sample {j + 1}"
-            sys.stdout.write(f"=== {which} (seed {seed}): generated ===\n{s.text()}\n")
+            sys.stdout.write(f"=== {which} (seed {row_seed}): generated ===\n{s.row.text()}\n")
     sys.stdout.flush()
     sys.stderr.write(
         f"txlm: {produced} tokens in {elapsed:.2f}s "

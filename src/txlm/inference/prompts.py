@@ -1,10 +1,12 @@
-"""Prompts as the CLI and the end-of-training sample read them: text -> ids, and the tokens
-that start an empty prompt and end a sample. One place, so ``txlm train``'s closing sample
-and ``txlm generate`` with the same seed give the same text.
+"""Prompts as the CLI and the end-of-training sample read them: text -> ids, the tokens
+that start an empty prompt and end a sample, and the tokens a sample never draws. One
+place, so ``txlm train``'s closing sample and ``txlm generate`` with the same seed give the
+same text.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +73,32 @@ def read_prompt_file(path: Path, limit: int = MAX_PROMPT_BYTES) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"cannot read prompt file {path}: not UTF-8 text ({exc})") from None
+
+
+def banned_ids(
+    vocab: Any, ban: Sequence[int | str] | None, prompts: Sequence[Sequence[int]]
+) -> tuple[int, ...]:
+    """The token ids a sample never draws. ``ban``: ids or symbols of ``vocab`` (symbols
+    need it); None, the default: ``<unk>`` when ``vocab`` has one, unless every prompt holds
+    it (a batch shares its bans, so no sample of a prompt without it draws it), nothing
+    without a vocabulary; ``()``: nothing."""
+    if ban is None:
+        unk = None if vocab is None else vocab.unk_id
+        if unk is None or all(unk in p for p in prompts):
+            return ()
+        return (int(unk),)
+    if isinstance(ban, str | int):
+        ban = [ban]
+    out = []
+    for item in ban:
+        if isinstance(item, str):
+            if vocab is None:
+                raise ConfigError(f"banning {item!r} by name needs the vocabulary (vocab=)")
+            if item not in vocab:
+                raise ConfigError(f"cannot ban {item!r}: not a symbol of the vocabulary")
+            out.append(int(vocab.id_of(item)))
+        elif isinstance(item, int) and not isinstance(item, bool):
+            out.append(item)
+        else:
+            raise ConfigError(f"a banned token is an id or a symbol, got {item!r}")
+    return tuple(out)

@@ -32,6 +32,6 @@ def sample_text(
     start_id = None if ids else (start if start is not None else 0)
     (new,) = generate(
         model, ids, max_new_tokens=n_tokens, top_k=top_k, seed=seed, start_id=start_id,
-        lengths=lengths,
+        lengths=lengths, vocab=vocab,
     )  # fmt: skip
     return vocab.decode(ids + list(new))
