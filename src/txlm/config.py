@@ -43,6 +43,13 @@ class ModelConfig:
     d_embed: int | None = None  # None: d_model
     dropout: float = 0.1
     dropatt: float = 0.0
+    # Variational (locked) dropout, the paper's Penn Treebank recipe after AWD-LSTM (Sec. 4.1):
+    # every `dropout` site on hidden states (the embedding output, each layer's attention and
+    # feed-forward outputs, the feed-forward's inner activation, the last layer's output)
+    # draws one mask per row and feature, shared across the positions of a segment
+    # (txlm.model.dropout). The position encoding's and the attention's dropout stay
+    # element-wise.
+    variational_dropout: bool = False
     # Lengths. tgt_len is the segment length the model was trained with (the data pipeline
     # uses it); mem_len the number of earlier hidden states each layer keeps (Tail_M).
     tgt_len: int = 128
@@ -523,6 +530,8 @@ PRESETS: dict[str, Preset] = {
             mem_len=70,
             dropout=0.4,
             dropatt=0.0,
+            # "similar to AWD-LSTM, we apply variational dropout and weight average" (Sec. 4.1)
+            variational_dropout=True,
         ),
         eval=dict(tgt_len=70, mem_len=140),
         paper_params=24e6,
