@@ -170,3 +170,86 @@ def test_the_ptb_preset_turns_both_on(capsys):
     assert printed["optim"]["average"] == "uniform"
     assert 1 <= printed["optim"]["average_start"] <= printed["optim"]["max_steps"]
     assert printed["model"]["dropout"] > 0
+
+
+# -- in the trainer --------------------------------------------------------------------------
+BOTH = ["model.dropout=0.2", "model.variational_dropout=true", "optim.average=uniform"]
+
+
+@pytest.mark.slow
+def test_best_holds_the_average_and_results_report_both(tmp_path):
+    """Validated at the end only: `best` holds the average that `last` carries beside the
+    weights as trained; results.json has the final valid of both, the averaged one being
+    what the final evaluation measured on `best`."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.helpers.train import FAST, tiny_text, txlm, weights
+
+    text = tiny_text(tmp_path)
+    out = tmp_path / "run"
+    r = txlm(
+        ["train", "--preset", "debug", "--out", str(out), "--set", *FAST, *BOTH,
+         f"data.dataset=text:{text}", "optim.max_steps=8", "optim.average_start=5",
+         "eval.eval_interval=0", "eval.sample_tokens=0"],
+        tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    average = load_file(str(out / "last" / "average.safetensors"))
+    assert int(average["count"]) == 4  # steps 5..8
+    best, trained = weights(out / "best"), weights(out / "last")
+    names = [k.removeprefix("averaged.") for k in average if k != "count"]
+    assert names
+    for name in names:
+        assert torch.equal(best[name], average[f"averaged.{name}"]), name
+    assert any(not torch.equal(trained[n], best[n]) for n in names)
+    results = json.loads((out / "results.json").read_text())
+    record = results["average"]
+    assert (record["mode"], record["start"], record["count"]) == ("uniform", 5, 4)
+    assert record["valid"]["loss"] == results["valid"]["loss"]  # `best`: the same weights
+    assert record["valid_unaveraged"]["loss"] != record["valid"]["loss"]
+    assert record["valid"]["tokens"] == record["valid_unaveraged"]["tokens"]
+
+
+@pytest.mark.slow
+def test_two_processes_keep_one_average(tmp_path):
+    """Under DDP (2 processes, gloo) both ranks hold the same average, bit for bit, which
+    `last` saves; it is the one process's average of the same global batches (a tolerance:
+    another split of the batch sums the gradients in another order)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.helpers.env import REPO, subprocess_env
+    from tests.helpers.train import FAST, tiny_text
+
+    text = tiny_text(tmp_path)
+    # no dropout: each rank draws its own masks, so one process would take other steps (the
+    # ranks' rows differ all the same: only DDP's reduction keeps their weights equal)
+    sets = [*FAST, "optim.average=uniform", "model.dropout=0.0",
+            f"data.dataset=text:{text}", f"data.data_dir={tmp_path / 'data'}",
+            "data.batch_size=4", "optim.max_steps=6", "optim.average_start=3",
+            "eval.eval_interval=0", "eval.final_eval=false"]  # fmt: skip
+    script = str(REPO / "tests" / "helpers" / "ddp_average.py")
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"w{n}"
+        r = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+             str(n), script, str(out), *sets],
+            cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=1200,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[n] = out
+    rank0 = load_file(str(runs[2] / "average.rank0.safetensors"))
+    rank1 = load_file(str(runs[2] / "average.rank1.safetensors"))
+    saved = load_file(str(runs[2] / "last" / "average.safetensors"))
+    one = load_file(str(runs[1] / "average.rank0.safetensors"))
+    assert int(rank0["count"]) == 4
+    assert rank0.keys() == rank1.keys() == saved.keys() == one.keys()
+    for k in rank0:
+        assert torch.equal(rank0[k], rank1[k]), k
+        assert torch.equal(rank0[k], saved[k]), k
+        torch.testing.assert_close(rank0[k], one[k], atol=1e-5, rtol=1e-4)
