@@ -43,6 +43,13 @@ class ModelConfig:
     d_embed: int | None = None  # None: d_model
     dropout: float = 0.1
     dropatt: float = 0.0
+    # Variational (locked) dropout, the paper's Penn Treebank recipe after AWD-LSTM (Sec. 4.1):
+    # every `dropout` site on hidden states (the embedding output, each layer's attention and
+    # feed-forward outputs, the feed-forward's inner activation, the last layer's output)
+    # draws one mask per row and feature, shared across the positions of a segment
+    # (txlm.model.dropout). The position encoding's and the attention's dropout stay
+    # element-wise.
+    variational_dropout: bool = False
     # Lengths. tgt_len is the segment length the model was trained with (the data pipeline
     # uses it); mem_len the number of earlier hidden states each layer keeps (Tail_M).
     tgt_len: int = 128
@@ -523,11 +530,20 @@ PRESETS: dict[str, Preset] = {
             mem_len=70,
             dropout=0.4,
             dropatt=0.0,
+            # "similar to AWD-LSTM, we apply variational dropout and weight average" (Sec. 4.1)
+            variational_dropout=True,
         ),
         eval=dict(tgt_len=70, mem_len=140),
         paper_params=24e6,
         dataset="ptb",
         note="16 layers of width 350 chosen so the count lands on the paper's 24M",
+        train=dict(
+            # Weight averaging as AWD-LSTM's averaged SGD (uniform over the last iterates). The
+            # paper gives neither its number of steps nor where the average starts: about 50
+            # epochs of PTB's 930k training words in rows of 16 x 70, averaged over the last
+            # quarter of the cosine schedule.
+            optim=dict(max_steps=40000, warmup_steps=1000, average="uniform", average_start=30001),
+        ),
     ),
 }
 

@@ -65,3 +65,42 @@ def test_resume_is_bitwise_exact(data, capsys):
     err = capsys.readouterr().err
     assert err.startswith("txlm: error:") and "model" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_killed_run_with_variational_dropout_and_averaging_resumes_bit_for_bit(data):
+    """The ptb recipe's two settings on: killed (SIGKILL, the fault seam) after step 5 with
+    `last` written after every step, then resumed mid-average, the run ends as one that ran
+    straight through: weights, Adam, losses, the average and the `best` made from it."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from tests.helpers.env import REPO, subprocess_env
+
+    root, text = data
+    both = [
+        "model.variational_dropout=true",
+        "optim.average=uniform",
+        "optim.average_start=3",
+        "run.save_interval=1",
+    ]
+    straight, killed = root / "both-straight", root / "both-killed"
+    r = txlm(["train", *_common(text), *both, "--out", str(straight)], root)
+    assert r.returncode == 0, r.stderr
+    argv = ["-m", "txlm", "train", *_common(text), *both, "--out", str(killed)]
+    env = subprocess_env(root, TXLM_FAULT="step:5:kill")
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    state = json.loads((killed / "last" / "trainer_state.json").read_text())
+    assert state["step"] == 4  # step 5's weights were never saved
+    mid = load_file(str(killed / "last" / "average.safetensors"))
+    assert int(mid["count"]) == 2  # steps 3 and 4
+    r = txlm(["train", "--resume", str(killed / "last")], root)
+    assert r.returncode == 0, r.stderr
+
+    assert_same_run(straight, killed, steps=8)
+    for kind, name in (("last", "average.safetensors"), ("best", "model.safetensors")):
+        a, b = load_file(str(straight / kind / name)), load_file(str(killed / kind / name))
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), (kind, name)

@@ -150,6 +150,7 @@ class RelativeAttention(nn.Module):
         self.out = nn.Linear(inner, stored.d_model, bias=False)
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)  # the real D
         self.drop = Dropout(config.dropout)
+        self.locked = config.variational_dropout  # one mask per row, shared across positions
 
         self.untie_r = self.attn_type == "xl" and config.untie_r  # u, v of its own
         if self.attn_type == "xl":
@@ -396,7 +397,7 @@ class RelativeAttention(nn.Module):
         if h.dim() == 3:
             out = out.view_as(h)
         if self.training:
-            out = dropout(out, self.drop.p, True)
+            out = dropout(out, self.drop.p, True, self.locked)
         return h + out if self.pre_lnorm else layer_norm(h + out, *norm), extras
 
     def _position_biases(
@@ -492,6 +493,7 @@ class PositionwiseFF(nn.Module):
         self.fc1 = nn.Linear(stored.d_model, stored.d_inner)
         self.fc2 = nn.Linear(stored.d_inner, stored.d_model)
         self.drop = Dropout(config.dropout)
+        self.locked = config.variational_dropout  # one mask per row, shared across positions
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)  # the real D
 
     def forward(self, h: Tensor, weights: StepWeights | None = None, rows: bool = False) -> Tensor:
@@ -513,9 +515,11 @@ class PositionwiseFF(nn.Module):
         if rows:
             out = matmul(matmul(x, w1, True).add_(b1).relu_(), w2, True).add_(b2)
         elif self.training:
-            p = self.drop.p
-            out = torch.addmm(b2, dropout(torch.addmm(b1, x, w1).relu_(), p, True), w2)
-            out = dropout(out.view_as(h), p, True).view_as(rows_in)
+            p, locked = self.drop.p, self.locked
+            inner = torch.addmm(b1, x, w1).relu_()  # rows [B L, d_inner]; [B, L, .] to drop
+            inner = dropout(inner.view(*h.shape[:-1], -1), p, True, locked).view_as(inner)
+            out = torch.addmm(b2, inner, w2)
+            out = dropout(out.view_as(h), p, True, locked).view_as(rows_in)
         else:
             out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
         out = rows_in + out

@@ -15,6 +15,14 @@ half precision up to the rounding of that scale, as there too).
 The mask comes from torch's global CPU generator, so ``torch.manual_seed`` and saved RNG states
 (exact resume) govern it as they govern ``F.dropout``. On other devices ``F.dropout`` already
 runs one fused kernel and is used as it is; so it is under torch.compile.
+
+Variational (locked) dropout (Gal & Ghahramani 2016; AWD-LSTM, Merity et al. 2017, whose
+recipe the paper's Penn Treebank model follows, Sec. 4.1): ``dropout(x, p, True,
+locked=True)`` on hidden states [B, L, F] draws one mask [B, 1, F], per row and feature, and
+shares it across the L positions of the segment, so a feature dropped for a sequence is
+dropped at every time step of it instead of at a random subset. The mask is the element-wise
+dropout of a tensor of ones of that shape (the same generator, the same scaling), drawn anew
+for every forward, i.e. every segment.
 """
 
 from __future__ import annotations
@@ -39,10 +47,17 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     return (fields >= round(p * _LEVELS)).view(-1)[:n].view(shape)
 
 
-def dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """``F.dropout(x, p, training)`` with the mask of ``keep_mask`` on the CPU."""
+def dropout(x: Tensor, p: float, training: bool, locked: bool = False) -> Tensor:
+    """``F.dropout(x, p, training)`` with the mask of ``keep_mask`` on the CPU.
+
+    ``locked``: ``x`` is [B, L, F] and one mask [B, 1, F] is shared across its L positions
+    (variational dropout, see the module docstring)."""
     if not training or p == 0.0:
         return x
+    if locked:
+        if x.dim() != 3:
+            raise ValueError(f"locked dropout takes [B, L, F], got shape {tuple(x.shape)}")
+        return x * dropout(x.new_ones(x.size(0), 1, x.size(2)), p, True)
     # Elsewhere F.dropout is one fused kernel already: on GPUs, and under torch.compile, whose
     # generated code draws its own random numbers (there ``random_`` would break the graph).
     if x.device.type != "cpu" or torch.compiler.is_compiling() or not 0.0 < p < 1.0:

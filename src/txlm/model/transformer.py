@@ -267,7 +267,7 @@ class TransformerXL(nn.Module):
         if c.attn_type == "vaswani":  # absolute position within the segment
             h = h + sinusoid(torch.arange(qlen, device=device), c.d_model).to(h.dtype)
         if self.training:
-            h = dropout(h, self.drop.p, True)
+            h = dropout(h, self.drop.p, True, c.variational_dropout)
 
         pos: Tensor | None = None
         step: CacheStep | None = None
@@ -318,7 +318,7 @@ class TransformerXL(nn.Module):
         if flat:
             h = h.unsqueeze(1)
         if self.training:
-            h = dropout(h, self.drop.p, True)
+            h = dropout(h, self.drop.p, True, c.variational_dropout)
         if cache is not None:
             if mems is None:  # the cache is the memory; no hidden states to carry
                 return h, [], None

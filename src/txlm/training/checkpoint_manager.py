@@ -10,6 +10,9 @@ files:
                             shared ones (the data position, the grad scaler) as rank 0 has
                             them, per-rank ones (the RNG) as a list in rank order
 
+and one ``NAME.safetensors`` per tensor component (``average.safetensors``: the weight
+average, ``txlm.training.averaging``), as rank 0 has it.
+
 Saving is collective: every rank calls it, rank 0 writes.
 """
 
@@ -46,6 +49,8 @@ class CheckpointManager:
     model (the training configuration, the vocabulary's fingerprint, the dataset).
     ``shared``: components equal on every rank, saved from rank 0; ``per_rank``: components
     that differ by rank (the RNG of each rank's dropout), each rank saves and reads its own.
+    ``tensors``: components equal on every rank whose state is tensors (the weight average),
+    each saved from rank 0 to its own safetensors file in ``last``.
     """
 
     def __init__(
@@ -59,6 +64,7 @@ class CheckpointManager:
         memory: Memory,
         shared: Mapping[str, Stateful],
         per_rank: Mapping[str, Stateful],
+        tensors: Mapping[str, Stateful] | None = None,
         vocab: Any,
         run_info: dict[str, Any],
         dist_info: dist.DistInfo,
@@ -68,6 +74,7 @@ class CheckpointManager:
         self.model, self.model_config, self.optimizer = model, model_config, optimizer
         self.counters, self.memory = counters, memory
         self.shared, self.per_rank = dict(shared), dict(per_rank)
+        self.tensors = dict(tensors or {})
         self.vocab, self.run_info = vocab, run_info
         self.dist, self.device = dist_info, device
 
@@ -84,6 +91,8 @@ class CheckpointManager:
             state, memory = resume
             save_optimizer(self.optimizer, tmp / OPTIMIZER_FILE, self.model)
             save_file(memory, str(tmp / MEMORY_FILE))
+            for name, component in self.tensors.items():
+                save_file(component.state_dict(), str(tmp / f"{name}.safetensors"))
             atomic.write_json(tmp / STATE_FILE, state)
 
         c = self.counters
@@ -167,6 +176,11 @@ class CheckpointManager:
                 component.load_state_dict(state[name])
             for name, component in self.per_rank.items():
                 component.load_state_dict(state[name][self.dist.rank])
+        for name, component in self.tensors.items():
+            path = directory / f"{name}.safetensors"
+            if path.is_file():  # absent: the run had none yet (a setting turned on to resume)
+                with _reading(path):
+                    component.load_state_dict(load_file(str(path), device=str(self.device)))
         self.memory.clear()
         if state.get("has_memory"):
             with _reading(directory / MEMORY_FILE):

@@ -61,6 +61,13 @@ class OptimConfig:
     # Parameter-name prefixes to keep as they are (no gradient, no Adam state), e.g. a large
     # word model's embedding and softmax when fine-tuning: [embed, softmax].
     freeze: list[str] = field(default_factory=list)
+    # Weight averaging (txlm.training.averaging): validation, `best` and the final evaluation
+    # read an average of the weights after every step from average_start on, uniform
+    # (averaged SGD, as AWD-LSTM) or ema (exponential, average_decay per step); none: the
+    # weights as trained.
+    average: Literal["none", "uniform", "ema"] = "none"
+    average_start: int = 1
+    average_decay: float = 0.999
 
 
 @dataclass
@@ -178,6 +185,15 @@ class TrainConfig:
         check(o.max_bad_steps >= 1, f"optim.max_bad_steps must be >= 1, got {o.max_bad_steps}")
         check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2 must be in [0, 1)")
         check(o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}")
+        check(o.average_start >= 1, f"optim.average_start must be >= 1, got {o.average_start}")
+        check(
+            o.average == "none" or o.average_start <= o.max_steps,
+            f"optim.average_start ({o.average_start}) is past optim.max_steps ({o.max_steps}): "
+            "the average would never begin",
+        )
+        check(
+            0 < o.average_decay < 1, f"optim.average_decay must be in (0, 1), got {o.average_decay}"
+        )
         check(e.eval_interval >= 0, f"eval.eval_interval must be >= 0, got {e.eval_interval}")
         check(e.batch_size >= 1, f"eval.batch_size must be >= 1, got {e.batch_size}")
         for name in ("eval_tgt_len", "max_eval_steps", "final_max_tokens"):

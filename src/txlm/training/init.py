@@ -25,7 +25,9 @@ from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.errors import CheckpointError, ConfigError
 
 # The model keys a trained model lets a new run change: its weights fix every other one.
-TUNABLE_MODEL_KEYS = ("dropout", "dropatt", "tgt_len", "mem_len", "clamp_len", "same_length")
+TUNABLE_MODEL_KEYS = (
+    "dropout", "dropatt", "variational_dropout", "tgt_len", "mem_len", "clamp_len", "same_length",
+)  # fmt: skip
 
 
 def open_init(path: str | Path) -> Checkpoint:

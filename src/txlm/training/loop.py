@@ -67,6 +67,7 @@ from txlm.errors import ConfigError, TrainingError
 from txlm.model import TransformerXL, align
 from txlm.model.align import Stored
 from txlm.training import distributed as dist
+from txlm.training.averaging import WeightAverage, averaged
 from txlm.training.build import (
     build_optimizer,
     frozen_parameters,
@@ -182,6 +183,8 @@ class Trainer:
         for p in frozen_parameters(self.model, config.optim.freeze):
             p.requires_grad_(False)  # no gradient, so Adam neither keeps state nor steps it
         self.optimizer = build_optimizer(self.model, config)
+        # optim.average: validation, `best` and the final evaluation read the average
+        self.average = WeightAverage.of(self.model, config.optim)
         self.scaler = torch.amp.GradScaler("cuda", enabled=r.precision == "fp16")
         self.counters = Counters()
         self.memory = Memory(
@@ -207,6 +210,7 @@ class Trainer:
             memory=self.memory,
             shared={"data": self.stream, "grad_scaler": self.scaler},
             per_rank={"rng": RNG()},
+            tensors={} if self.average is None else {"average": self.average},
             vocab=self.vocab,
             run_info={
                 "train": config.to_dict(),
@@ -373,6 +377,8 @@ class Trainer:
         if parts is not None:  # a classifier carries no memory from one batch to the next
             self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
+        if self.average is not None:
+            self.average.update(self.counters.step)
         return StepStats(self.counters.step, lr, loss_global, grad_norm, n_global, finite)
 
     def account(self, stats: StepStats) -> dict[str, float]:
@@ -420,7 +426,8 @@ class Trainer:
         """Rank 0 streams ``split`` with the evaluation lengths; others get its result."""
         result = None
         if self.dist.is_main:
-            result = self.evaluate_split(self.model, split, full=full)
+            with averaged(self.average):
+                result = self.evaluate_split(self.model, split, full=full)
         return dist.broadcast_object(result)
 
     def evaluate_split(self, model: Any, split: str, *, full: bool) -> dict[str, Any]:
@@ -685,11 +692,36 @@ class Trainer:
                     self.model, self.corpus, c, self.out, self.device, echo=self.echo
                 )
             summary.update(final)
+            if self.average is not None:
+                summary["average"] = self._average_summary()
         if self.dist.is_main:
             atomic.write_json(self.out / RESULTS_FILE, summary)
         log.close()
         dist.shutdown()
         return summary
+
+    def _average_summary(self) -> dict[str, Any]:
+        """The weight average, and the final valid split (whole, as the final evaluation
+        reads it) of both the averaged weights (``valid``) and the weights as trained
+        (``valid_unaveraged``)."""
+        a = self.average
+        assert a is not None
+        record: dict[str, Any] = {"mode": a.mode, "start": a.start, "count": a.count}
+        if a.mode == "ema":
+            record["decay"] = a.decay
+        if not a.active:
+            return record
+        with a.swapped():
+            record["valid"] = self.evaluate_split(self.model, "valid", full=True)
+        record["valid_unaveraged"] = self.evaluate_split(self.model, "valid", full=True)
+        if self.echo:
+            m = self.metric
+            print(
+                f"valid with the {a.mode} average of {a.count} steps' weights: "
+                f"{m} {record['valid'][m]:.4f}; with the weights as trained: "
+                f"{m} {record['valid_unaveraged'][m]:.4f}"
+            )
+        return record
 
     def _validate_and_save(self, log: MetricsLog, report: ProgressReport) -> None:
         result = self.validate()
@@ -716,7 +748,8 @@ class Trainer:
             self.counters.best_valid = result["loss"]
         self.save("last")
         if improved:
-            self.save("best")
+            with averaged(self.average):
+                self.save("best")
 
 
 @dataclass
