@@ -14,6 +14,7 @@ from tests.cli import (
     test_bad_generate,
     test_bad_info,
     test_bad_prepare,
+    test_bad_serve,
     test_bad_train,
 )
 from tests.helpers.cli_table import Case, run_case_subprocess
@@ -27,6 +28,7 @@ TABLES = {
     "generate": test_bad_generate.CASES,
     "info": test_bad_info.CASES,
     "analysis": test_bad_analysis.CASES,
+    "serve": test_bad_serve.CASES,
 }
 ALL: list[Case] = [c for cases in TABLES.values() for c in cases]
 
