@@ -16,6 +16,13 @@ once, and the model, its vocabulary and its evaluation lengths all from that one
     ckpt = Checkpoint.open("runs/shakespeare-char/best")
     model, vocab = ckpt.load_model("cpu"), ckpt.vocab()
     lengths = ckpt.lengths(mem_len=512)     # the run's evaluation lengths, one changed
+
+A checkpoint holds a language model (``task`` "lm": ``TransformerXL``'s tensors) or a
+document classifier (``task`` "classify", written by ``txlm train --task classify``: its
+config.json adds a ``classifier`` section, the labels in id order, the pooling; its weights
+are ``body.*``, the language model's tensors, and ``head.*``). ``load_model`` builds either
+through the one weights reader: the header's shapes checked against config.json before any
+tensor is allocated, every file read from the copy that was opened.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 
 from txlm import atomic, devices
+from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
@@ -52,6 +60,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 VOCAB_FILE = "vocab.json"
 TOKENIZER_FILE = "tokenizer.json"
+TASKS = ("lm", "classify")  # config.json's "task": what the weights are (absent: "lm")
 # what a Hub repository id (org/name) looks like: a relative path of exactly two parts
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -220,8 +229,10 @@ class Checkpoint:
 
     path: Path  # the resolved directory: NAME, or NAME.old after an interrupted swap
     data: dict[str, Any]  # config.json as parsed
-    model_config: ModelConfig
+    model_config: ModelConfig  # the language model's, a classifier's body's
     has_vocab: bool  # vocab.json present when opened
+    task: str  # "lm" or "classify"
+    classifier: ClassifierConfig | None  # a classifier's labels and pooling
     _identity: tuple[int, int] | None = field(repr=False)
     _recorded: Lengths = field(repr=False)  # the lengths the run evaluated with, else the model's
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -244,11 +255,22 @@ class Checkpoint:
             recorded = Lengths.of(config, **{f: saved.get(k) for f, k in _EVAL_KEYS.items()})
         except ConfigError as exc:
             raise CheckpointError(f"{config_file}: train.eval: {exc}") from None
+        task = data.get("task", "lm")
+        if task not in TASKS:
+            raise CheckpointError(f"{config_file}: task {task!r} is none of {', '.join(TASKS)}")
+        classifier = None
+        if task == "classify":
+            try:
+                classifier = ClassifierConfig.from_dict(data.get("classifier"))  # type: ignore[arg-type]
+            except (ConfigError, TypeError) as exc:
+                raise CheckpointError(f"{config_file}: {exc}") from None
         ckpt = cls(
             path=directory,
             data=data,
             model_config=config,
             has_vocab=(directory / VOCAB_FILE).is_file(),
+            task=task,
+            classifier=classifier,
             _identity=identity,
             _recorded=recorded,
         )
@@ -317,20 +339,29 @@ class Checkpoint:
         return vocab
 
     def load_model(
-        self, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
-    ) -> TransformerXL:
-        """A new model in eval mode with the checkpoint's weights. ``align_heads``: store the
-        heads, widths and keys padded to multiples of 8 (``txlm.model.align``; auto: on CUDA,
-        where it pays)."""
-        if self.data.get("task", "lm") != "lm":  # a classifier: body.* and head.* weights
-            raise CheckpointError(
-                f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
-                "use txlm classify or txlm.load_classifier"
-            )
+        self,
+        device: str | torch.device = "cpu",
+        align_heads: bool | str = "auto",
+        *,
+        task: str | None = None,
+    ) -> Any:
+        """A new model in eval mode with the checkpoint's weights: a ``TransformerXL``, or a
+        ``Classifier`` (its vocabulary, when the checkpoint has one, as ``.vocab``).
+        ``task``: the kind the caller needs ("lm", "classify"; None: either), another one
+        refused in one line. ``align_heads``: store the heads, widths and keys padded to
+        multiples of 8 (``txlm.model.align``; auto: on CUDA, where it pays)."""
+        if task is not None and task != self.task:
+            raise CheckpointError(_WRONG_TASK[task].format(path=self.path, task=self.task))
         aligned = devices.wanted(align_heads, device)
         stored = Stored.aligned(self.model_config) if aligned else None
+        if self.classifier is None:
+            with self._reading():
+                return _load_weights(self.path, self.model_config, device, stored).eval()
         with self._reading():
-            model = _load_weights(self.path, self.model_config, device, stored)
+            model = _load_weights(
+                self.path, self.model_config, device, stored, classifier=self.classifier
+            )
+        model.vocab = self.vocab() if self.has_vocab else None
         return model.eval()
 
     def weights_sha256(self) -> str:
@@ -368,11 +399,21 @@ class Checkpoint:
             )
 
 
-def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
+# what ``load_model(task=...)`` says when the checkpoint holds the other kind of model
+_WRONG_TASK = {
+    "lm": "{path} is a {task} checkpoint, not a language model: use txlm classify or "
+    "txlm.load_classifier",
+    "classify": "{path} is a language model, not a classifier: train one with txlm train "
+    "--init {path} --task classify",
+}
+
+
+def _header_shapes(weights: Path, config: ModelConfig, prefix: str = "") -> dict[str, list[int]]:
     """Tensor shapes from the weights file's header (no tensor data is read).
 
     Also checks the layer count against config.json before any model is built: a config
     claiming a million layers must not cost a million module constructions to refuse.
+    ``prefix``: where the language model's tensors are (a classifier's body: "body.").
     """
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -381,7 +422,8 @@ def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
         raise CheckpointError(
             f"{weights} is not a readable safetensors file: {str(exc).splitlines()[0]}"
         ) from None
-    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
+    start = prefix + "layers."
+    layers = {k[len(start) :].split(".")[0] for k in shapes if k.startswith(start)}
     if len(layers) != config.n_layer:
         raise CheckpointError(
             f"{weights} does not match its config.json: it holds {len(layers)} layers, "
@@ -390,7 +432,7 @@ def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
     return shapes
 
 
-def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: TransformerXL) -> None:
+def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: torch.nn.Module) -> None:
     """Compare the header's shapes with the model (on the meta device: still unallocated).
 
     config.json decides how much memory ``to_empty`` allocates; a config that claims a huge
@@ -417,29 +459,40 @@ def _rough_parameter_count(c: ModelConfig) -> int:
 
 
 def _load_weights(
-    directory: Path, config: ModelConfig, device: str | torch.device, stored: Stored | None = None
-) -> TransformerXL:
+    directory: Path,
+    config: ModelConfig,
+    device: str | torch.device,
+    stored: Stored | None = None,
+    *,
+    classifier: ClassifierConfig | None = None,
+) -> Any:
     """``config``'s model, stored with ``stored`` (txlm.model.align), with the weights of
-    ``directory``, checked against the header first."""
+    ``directory``, checked against the header first; ``classifier``: that classifier with
+    ``config``'s model as its body."""
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
-    shapes = _header_shapes(weights, config)
+    shapes = _header_shapes(weights, config, prefix="" if classifier is None else "body.")
+
+    def build() -> Any:
+        body = TransformerXL(config, stored)
+        return body if classifier is None else Classifier(body, classifier)
+
     if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
         # A small model is cheaper to build for real (its random init is quick) than on the
         # meta device, whose first use imports torch's Python reference kernels, a start-up
         # cost every `txlm eval/generate` would pay. fork_rng: loading must not advance the
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
-            model = TransformerXL(config, stored)
+            model = build()
         _check_shapes(weights, shapes, model)
         model = model.to(device)
     else:
         with torch.device("meta"):
-            model = TransformerXL(config, stored)
+            model = build()
         _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
-        model.tie_weights()
+        (model if classifier is None else model.body).tie_weights()
     return fill_weights(model, weights, device)
 
 
@@ -467,8 +520,16 @@ def fill_weights(model: M, weights: Path, device: str | torch.device) -> M:
 def load(
     directory: str | Path, *, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
 ) -> TransformerXL:
-    """A model in eval mode from a checkpoint directory (``Checkpoint.load_model``)."""
-    return Checkpoint.open(directory).load_model(device, align_heads)
+    """A language model in eval mode from a checkpoint directory (``Checkpoint.load_model``;
+    a classifier's is refused: ``load_classifier``)."""
+    return Checkpoint.open(directory).load_model(device, align_heads, task="lm")
+
+
+def load_classifier(directory: str | Path, *, device: str | torch.device = "cpu") -> Classifier:
+    """A classifier in eval mode from a checkpoint directory, with its vocabulary (when the
+    checkpoint has one) as ``.vocab`` (``Checkpoint.load_model``; a language model's is
+    refused)."""
+    return Checkpoint.open(directory).load_model(device, align_heads=False, task="classify")
 
 
 def load_vocab(directory: str | Path) -> Vocab:

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         log=_note,  # on stderr, so --json output stays one object
         progress=show and sys.stderr.isatty(),
     )
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     recorded_rows = (train.get("eval") or {}).get("batch_size")
     batch_size = args.batch_size or recorded_rows or 1
     # A memory or cache that cannot fit is refused before it is allocated (a lower bound,

@@ -141,7 +141,7 @@ def score_file(
     if data is None and not file.is_file():
         raise DataError(f"text file {file} does not exist")
     vocab = ckpt.vocab()
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     raw = file.read_bytes() if data is None else data
     try:
         text: str | bytes = raw if vocab.level == "byte" else raw.decode("utf-8")

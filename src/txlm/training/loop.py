@@ -231,7 +231,7 @@ class Trainer:
         # Its size checked before its weights are read, and its weights read before the
         # corpus is prepared: a refused --init leaves nothing behind.
         self._check_resources(self.config.model_config(len(vocab)), world)
-        return vocab, ckpt.load_model(device="cpu", align_heads=False)
+        return vocab, ckpt.load_model(device="cpu", align_heads=False, task="lm")
 
     def _check_resources(self, model_config: ModelConfig, world: int) -> None:
         """Refuse a run whose step cannot fit, before its model is allocated: the frozen

@@ -27,11 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from txlm.checkpoints.checkpoint import load_classifier
 from txlm.classify.classes import ClassDataset, is_classes, open_classes
 from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.classify.documents import DocumentBatch, DocumentBatches
 from txlm.classify.evaluation import evaluate_documents
-from txlm.classify.predict import checkpoint_extras, load_classifier
+from txlm.classify.predict import checkpoint_extras
 from txlm.config import ModelConfig
 from txlm.data.prepared import default_data_dir
 from txlm.data.vocab import Vocab
