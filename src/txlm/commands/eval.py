@@ -9,7 +9,6 @@ training memory: the relative encoding has no absolute positions to run out of.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         tokens,
         batch_size=batch_size,
-        **dataclasses.asdict(lengths),
+        lengths=lengths,
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,
