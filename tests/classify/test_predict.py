@@ -73,3 +73,14 @@ def test_classify_labels_each_file_given_longest_first(runner, classifier, tmp_p
     assert [r["label"] for r in lines] == labels
     for r, p in zip(lines, alone, strict=True):
         assert list(r["probs"].values()) == pytest.approx(p, abs=1e-5)
+
+
+def test_a_classifier_read_with_padded_heads_classifies_as_the_plain_one(classifier) -> None:
+    """The one weights reader stores a classifier's body padded as it does a language model
+    (txlm.model.align, CUDA's default): the same probabilities within float32 rounding."""
+    ckpt = checkpoint.Checkpoint.open(classifier)
+    plain = ckpt.load_model(align_heads=False, task="classify")
+    padded = ckpt.load_model(align_heads=True, task="classify")
+    assert padded.body.stored.keys > plain.body.stored.keys  # stored otherwise (aligned keys)
+    docs = [plain.vocab.encode(text) for text in TEXTS]
+    torch.testing.assert_close(predict(padded, docs), predict(plain, docs), atol=1e-5, rtol=0)
