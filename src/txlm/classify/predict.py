@@ -30,11 +30,6 @@ from txlm.progress import Progress
 TASK = "classify"
 
 
-def is_classifier(config: dict[str, Any]) -> bool:
-    """Whether a parsed config.json is a classifier's."""
-    return config.get("task") == TASK
-
-
 def checkpoint_extras(model: Classifier) -> dict[str, Any]:
     """What a classifier's config.json holds besides the body's ``model`` section."""
     return {"task": TASK, "classifier": model.classifier_config.to_dict()}
