@@ -125,10 +125,10 @@ def score_file(
     data: bytes | None = None,
 ) -> dict[str, Any]:
     """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
-    ``data``: the file's bytes, already read (standard input: ``path`` is its name only).
 
     ``checkpoint``: a directory or an open ``Checkpoint``. ``lengths`` default to its
-    evaluation lengths (``Checkpoint.lengths()``). Symbols outside the vocabulary become
+    evaluation lengths (``Checkpoint.lengths()``). ``data``: the file's bytes, already read
+    (standard input: ``path`` is its name only). Symbols outside the vocabulary become
     ``<unk>`` when it has one, else the file is refused.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
