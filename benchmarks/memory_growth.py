@@ -170,7 +170,8 @@ def stream_evaluate(args: argparse.Namespace, tokens: torch.Tensor) -> dict:
     model = _debug_model()
     # One stream whose B contiguous rows are exactly the rows the other engines read.
     flat = torch.cat([tokens[:, :-1].reshape(-1), tokens[-1:, -1]]).numpy()
-    kw = dict(batch_size=args.batch_size, tgt_len=args.tgt_len, mem_len=args.mem_len)
+    lengths = model.lengths.replace(tgt_len=args.tgt_len, mem_len=args.mem_len)
+    kw = dict(batch_size=args.batch_size, lengths=lengths)
     reset_peak()
     short = evaluate_tokens(model, flat, max_steps=args.warmup, **kw)
     short_peak = peak_kib()

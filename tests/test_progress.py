@@ -82,7 +82,8 @@ def test_a_classifiers_documents_show_their_progress_in_a_log(tmp_path, monkeypa
     import numpy as np
 
     from tests.helpers.classify import save_classifier, tiny_lm
-    from txlm.classify.predict import load_classifier, predict
+    from txlm.checkpoints.checkpoint import load_classifier
+    from txlm.classify.predict import predict
 
     model = load_classifier(save_classifier(tmp_path / "cls", tiny_lm(tmp_path / "lm")))
     docs = [np.arange(1 + i % 5) % 8 for i in range(20)]

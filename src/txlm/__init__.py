@@ -10,8 +10,8 @@ clf = txlm.load_classifier("runs/genre/best")  # `txlm train --task classify` wr
 txlm.classify(clf, "To be, or not to be").label
 """
 
-from txlm.checkpoints.checkpoint import load, load_vocab, save
-from txlm.classify.predict import classify, load_classifier
+from txlm.checkpoints.checkpoint import load, load_classifier, load_vocab, save
+from txlm.classify.predict import classify
 from txlm.config import PRESETS, ModelConfig, preset_names
 from txlm.errors import TxlmError
 from txlm.inference.generate import generate

@@ -202,13 +202,17 @@ def test_a_checkpoint_moved_away_after_open_is_refused(tmp_path: Path) -> None:
 
 
 def test_a_hub_name_that_is_no_folder_says_how_to_convert_it(tmp_path, monkeypatch) -> None:
+    """Offline and not converted yet: one line naming the way to convert a local copy."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TXLM_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     for call in (txlm.load, txlm.load_vocab, Checkpoint.open):
         with pytest.raises(CheckpointError) as info:
             call("transfo-xl/transfo-xl-wt103")
         msg = str(info.value)
         assert "\n" not in msg
-        assert "txlm convert --from hf transfo-xl/transfo-xl-wt103 --out DIR" in msg
+        assert "txlm convert --from hf DIR --out " in msg
     with pytest.raises(CheckpointError) as info:
         txlm.load(tmp_path / "a" / "b" / "c")  # a path of three parts: no Hub name
     assert "convert" not in str(info.value)
@@ -275,4 +279,45 @@ def test_each_command_opens_config_json_once(text_run: Path, tmp_path: Path, arg
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()  # the command did its work
+    assert count.read_text() == "1"
+
+
+@pytest.fixture(scope="module")
+def classifier_run(tmp_path_factory) -> Path:
+    """A classifier checkpoint whose run names its ``classes:DIR`` dataset (given splits)."""
+    from tests.helpers.classify import marker_documents, save_classifier, tiny_lm
+
+    root = tmp_path_factory.mktemp("classifier-opens")
+    marker_documents(root / "ds", {"train": 4, "valid": 2, "test": 2})
+    train = {"data": {"dataset": f"classes:{root / 'ds'}"}, "run": {"seed": 0}}
+    return save_classifier(root / "run" / "best", tiny_lm(root / "lm"), train=train)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "{ckpt}", "--split", "valid", "--json"],
+        ["classify", "{ckpt}", "{doc}", "--json"],
+        ["info", "{ckpt}", "--json"],
+    ],
+    ids=["eval", "classify", "info"],
+)
+def test_a_classifiers_commands_open_config_json_once(classifier_run: Path, argv) -> None:
+    """A classifier's checkpoint is read as a language model's: opened once by the command,
+    its model built from that copy (no second open by a classifier loader)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.env import subprocess_env
+
+    count = classifier_run.parent / f"count-{argv[0]}"
+    doc = classifier_run.parent.parent / "ds" / "test" / "x" / "000.txt"
+    args = [a.format(ckpt=classifier_run, doc=doc) for a in argv]
+    env = subprocess_env(COUNT_OPENS_OF=str(classifier_run / CONFIG_FILE), COUNT_OUT=str(count))
+    done = subprocess.run(
+        [sys.executable, "-c", _COUNTING, *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[0])  # the command did its work
     assert count.read_text() == "1"

@@ -166,3 +166,47 @@ def test_an_unreachable_hub_is_named_with_the_local_folder_way(env, monkeypatch,
     rc, _, err = convert("org/model", "o", capsys)
     line = one_error_line(err)
     assert rc == 2 and "HF_HUB_OFFLINE" in line and "local folder" in line
+
+
+# -- Checkpoint.open("org/name"): converted once into TXLM_HOME ------------------------------
+
+
+def test_a_repository_id_opens_as_a_checkpoint_converted_once(hf_files, env, monkeypatch):
+    """``txlm.load("org/name")``: downloaded and converted into TXLM_HOME on first use (the
+    weights equal ``txlm convert``'s), read from there afterwards without a request."""
+    import txlm
+    from txlm.checkpoints.checkpoint import Checkpoint
+
+    monkeypatch.setenv("TXLM_HOME", str(env / "home"))
+    (env / "local").mkdir()
+    for name, data in hf_files.items():
+        (env / "local" / name).write_bytes(data)
+    assert main(["convert", "--from", "hf", "local", "--out", "from-dir"]) == 0
+    with HubServer({"org/tiny-xl": Repo(hf_files)}) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        model = txlm.load("org/tiny-xl")
+        assert hub.requests  # fetched once
+        hub.requests.clear()
+        ckpt = Checkpoint.open("org/tiny-xl")
+        assert hub.requests == []  # the conversion is read, the Hub not asked again
+    assert ckpt.path == env / "home" / "hub" / "org--tiny-xl"
+    assert ckpt.data["converted_from"]["source"] == "hf-hub:org/tiny-xl"
+    want = txlm.load("from-dir").state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the server is gone
+    assert Checkpoint.open("org/tiny-xl").model_config == ckpt.model_config
+
+
+def test_an_unconverted_repository_offline_says_how_to_convert_a_folder(env, monkeypatch):
+    from txlm.checkpoints.checkpoint import Checkpoint
+    from txlm.errors import CheckpointError
+
+    monkeypatch.setenv("TXLM_HOME", str(env / "home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a request would fail loudly
+    with pytest.raises(CheckpointError) as info:
+        Checkpoint.open("org/not-here")
+    msg = str(info.value)
+    folder = env / "home" / "hub" / "org--not-here"
+    assert "\n" not in msg and f"txlm convert --from hf DIR --out {folder}" in msg
+    assert not folder.exists()

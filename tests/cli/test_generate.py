@@ -17,6 +17,7 @@ import torch
 import txlm
 from tests.helpers.models import spread_weights
 from tests.helpers.train import txlm as forked_txlm
+from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.cli import main
 from txlm.config import ModelConfig
 from txlm.errors import ConfigError
@@ -195,7 +196,7 @@ def test_score_equals_one_forward_and_restores_lengths(char_ckpt) -> None:
 def test_score_file_reports_bpc(char_ckpt, tmp_path) -> None:
     f = tmp_path / "t.txt"
     f.write_text("ROMEO: a cat sat.\n" * 10)
-    res = score_file(char_ckpt, f, tgt_len=16, mem_len=32)
+    res = score_file(char_ckpt, f, lengths=Checkpoint.open(char_ckpt).lengths(16, 32))
     model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
     lp = score(model, vocab.encode(f.read_text()), tgt_len=16, mem_len=32)
     assert res["tokens"] == 179 and res["metric"] == "bpc"
@@ -210,7 +211,7 @@ def test_eval_file_through_the_cli(char_ckpt, tmp_path) -> None:
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["tokens"] == 89 and out["tgt_len"] == 8 and out["metric"] == "bpc"
-    res = score_file(char_ckpt, f, tgt_len=8)
+    res = score_file(char_ckpt, f, lengths=Checkpoint.open(char_ckpt).lengths(tgt_len=8))
     assert out["bpc"] == pytest.approx(res["bpc"])
     missing = _cli("eval", str(char_ckpt), "--file", str(tmp_path / "none.txt"))
     assert missing.returncode == 2 and "does not exist" in missing.stderr

@@ -63,8 +63,11 @@ def label_folders(root: Path, docs: dict[str, list[str]]) -> Path:
     return root
 
 
-def save_classifier(directory: Path, lm: Path, labels=("x", "y"), pooling: str = "mean") -> Path:
-    """A classifier (``lm``'s body, a seed-0 head) saved as the trainer saves one."""
+def save_classifier(
+    directory: Path, lm: Path, labels=("x", "y"), pooling: str = "mean", train: dict | None = None
+) -> Path:
+    """A classifier (``lm``'s body, a seed-0 head) saved as the trainer saves one (``train``:
+    the run's record, e.g. its dataset)."""
     import torch
 
     from txlm.checkpoints import checkpoint
@@ -76,4 +79,6 @@ def save_classifier(directory: Path, lm: Path, labels=("x", "y"), pooling: str =
     model = Classifier(ckpt.load_model(), ClassifierConfig(tuple(labels), pooling))
     vocab = ckpt.vocab()
     extra = {**checkpoint_extras(model), "vocab_fingerprint": vocab.fingerprint}
+    if train is not None:
+        extra["train"] = train
     return checkpoint.save(model, directory, vocab=vocab, extra_config=extra)

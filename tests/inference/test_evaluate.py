@@ -11,6 +11,7 @@ import torch
 from txlm.config import ModelConfig
 from txlm.inference.evaluate import evaluate_tokens, metric_value, stream_rows
 from txlm.model import TransformerXL
+from txlm.model.lengths import Lengths
 
 
 def _model(**kw) -> TransformerXL:
@@ -44,11 +45,11 @@ def test_memory_carries_context_across_segments():
     tokens = np.random.default_rng(0).integers(0, 20, size=49)
     reference = _full_loss(model, tokens)
     # Segments of 8 with memory covering the whole past: identical to one long forward.
-    r = evaluate_tokens(model, tokens, tgt_len=8, mem_len=48)
+    r = evaluate_tokens(model, tokens, lengths=Lengths(8, 48))
     assert r["tokens"] == 48 and r["segments"] == 6
     assert r["loss"] == pytest.approx(reference, abs=1e-5)
     # Without memory each segment starts cold: a different number.
-    cold = evaluate_tokens(model, tokens, tgt_len=8, mem_len=0)
+    cold = evaluate_tokens(model, tokens, lengths=Lengths(8, 0))
     assert abs(cold["loss"] - reference) > 1e-4
     # The model's own lengths are restored afterwards.
     assert model.config.mem_len == 16 and model.config.tgt_len == 16
@@ -57,9 +58,9 @@ def test_memory_carries_context_across_segments():
 def test_rows_are_independent_streams():
     model = _model()
     tokens = np.random.default_rng(1).integers(0, 20, size=41)
-    both = evaluate_tokens(model, tokens, batch_size=2, tgt_len=8, mem_len=32)
-    first = evaluate_tokens(model, tokens[:21], tgt_len=8, mem_len=32)
-    second = evaluate_tokens(model, tokens[20:], tgt_len=8, mem_len=32)
+    both = evaluate_tokens(model, tokens, batch_size=2, lengths=Lengths(8, 32))
+    first = evaluate_tokens(model, tokens[:21], lengths=Lengths(8, 32))
+    second = evaluate_tokens(model, tokens[20:], lengths=Lengths(8, 32))
     assert both["tokens"] == first["tokens"] + second["tokens"] == 40
     expected = (first["loss"] * 20 + second["loss"] * 20) / 40
     assert both["loss"] == pytest.approx(expected, abs=1e-5)
@@ -69,7 +70,9 @@ def test_max_steps_and_metric_and_training_flag():
     model = _model()
     model.train()
     tokens = np.arange(100) % 20
-    r = evaluate_tokens(model, tokens, tgt_len=10, max_steps=3, metric="bpc")
+    r = evaluate_tokens(
+        model, tokens, lengths=model.lengths.replace(tgt_len=10), max_steps=3, metric="bpc"
+    )
     assert r["segments"] == 3 and r["tokens"] == 30
     assert r["bpc"] == pytest.approx(r["loss"] / math.log(2))
     assert model.training  # restored

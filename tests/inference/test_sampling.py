@@ -184,10 +184,12 @@ def test_top_k_keeps_exactly_k_even_on_a_tie() -> None:
 
 
 def test_the_draw_is_multinomials_for_the_same_generator_state() -> None:
-    """The top-k draw skips torch.multinomial's input checks but not its arithmetic."""
-    from txlm.inference.sampling import draw
+    """The top-k draw (a race over an exponential per candidate) skips torch.multinomial's
+    input checks but not its arithmetic."""
+    from txlm.inference.sampling import race
 
     probs = torch.randn(4, 40, generator=torch.Generator().manual_seed(5)).softmax(-1)
     g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     for _ in range(50):
-        assert torch.equal(draw(probs, g1), torch.multinomial(probs, 1, generator=g2))
+        noise = torch.empty_like(probs).exponential_(generator=g1)
+        assert torch.equal(race(probs, noise), torch.multinomial(probs, 1, generator=g2))

@@ -130,7 +130,9 @@ def test_evaluate_compile_option_gives_the_same_loss(kv_cache, monkeypatch) -> N
     torch._dynamo.reset()
     model = tiny_model()
     tokens = torch.randint(0, 64, (300,), generator=torch.Generator().manual_seed(4))
-    args = dict(batch_size=2, tgt_len=8, mem_len=12, kv_cache=kv_cache)
+    args = dict(
+        batch_size=2, lengths=model.lengths.replace(tgt_len=8, mem_len=12), kv_cache=kv_cache
+    )
     plain = evaluate_tokens(model, tokens, **args)
     compiled = evaluate_tokens(model, tokens, compile=True, **args)
     assert len(calls) == 1

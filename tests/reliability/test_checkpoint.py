@@ -372,7 +372,7 @@ def test_failed_save_keeps_old_checkpoint(ckpt: Path) -> None:
 
 def test_save_to_full_disk_keeps_old_checkpoint(ckpt: Path, monkeypatch) -> None:
     """The weights write itself fails with ENOSPC (simulated: we cannot fill a real disk)."""
-    import txlm.checkpoints.checkpoint as ck
+    import txlm.checkpoints.files as ck
 
     before = snapshot(ckpt.parent)
 
@@ -553,7 +553,7 @@ def test_ensure_writable_refuses_unwritable(tmp_path: Path, where: str) -> None:
 
 
 def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
-    import txlm.checkpoints.checkpoint as ck
+    import txlm.checkpoints.files as ck
 
     class Usage:
         total, used, free = 10**9, 10**9 - 1000, 1000
@@ -568,7 +568,7 @@ def test_ensure_writable_refuses_full_disk(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_train_refuses_full_disk_before_the_first_step(tmp_path: Path, monkeypatch) -> None:
-    import txlm.checkpoints.checkpoint as ck
+    import txlm.checkpoints.files as ck
     from txlm.training import Trainer
     from txlm.training.config import resolve as resolve_config
 

@@ -406,7 +406,7 @@ def test_too_many_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path: Path)
 def test_disk_full_during_save_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
     import errno
 
-    import txlm.checkpoints.checkpoint as ck
+    import txlm.checkpoints.files as ck
 
     work = _workdir(tmp_path, "work")
     trainer = _trainer(work, "optim.max_steps=10", "eval.eval_interval=0")

@@ -64,7 +64,8 @@ def test_sigterm_ends_open_streams_and_exits_0(lm_path):
 
 
 def test_a_classifier_serves_classify_as_txlm_classify(tmp_path):
-    from txlm.classify.predict import load_classifier, predict
+    from txlm.checkpoints.checkpoint import load_classifier
+    from txlm.classify.predict import predict
 
     lm = tiny_lm(tmp_path / "lm")
     path = save_classifier(tmp_path / "clf", lm)

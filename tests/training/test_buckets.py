@@ -107,11 +107,11 @@ def test_the_trainer_sizes_on_the_host_only_where_it_compiles(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     eager = Trainer(tiny_config(tmp_path / "a", *quiet), tmp_path / "a" / "run", echo=False)
-    assert eager.buckets is None  # the softmax counts its clusters' tokens
+    assert eager.task.buckets is None  # the softmax counts its clusters' tokens
     compiled = Trainer(
         tiny_config(tmp_path / "b", *quiet, "run.compile=true"), tmp_path / "b" / "run",
         echo=False,
     )  # fmt: skip
-    assert compiled.buckets is not None
+    assert compiled.task.buckets is not None
     tokens = compiled.config.data.batch_size * compiled.model.config.tgt_len
-    assert all(0 < s < tokens for s in compiled.buckets.sizes)  # less than every token
+    assert all(0 < s < tokens for s in compiled.task.buckets.sizes)  # less than every token

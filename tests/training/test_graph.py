@@ -38,7 +38,7 @@ def test_a_compiled_adaptive_softmax_step_is_three_graphs_without_breaks(tmp_pat
         "optim.schedule=cosine", "run.compile=true", "run.threads=2", *QUIET,
     )  # fmt: skip
     trainer = Trainer(config, tmp_path / "run", echo=False)
-    assert trainer.buckets is not None  # sized on the host: no read back, no break
+    assert trainer.task.buckets is not None  # sized on the host: no read back, no break
     rates = []
     for step in range(20):
         stats = trainer.train_step()
@@ -74,7 +74,7 @@ def test_a_cuda_built_trainer_step_reads_nothing_back(tmp_path, monkeypatch):
     trainer = Trainer(config, tmp_path / "run", echo=False)
     assert len(trainer.vocab) > 600
     assert trainer.model.stored.d_model == 88 == trainer.model.layers[0].attn.qkv.weight.size(1)
-    assert trainer.buckets is not None  # sized from the labels on the host
+    assert trainer.task.buckets is not None  # sized from the labels on the host
     trainer.forward_model = trainer.forward_model._orig_mod  # eager: every op dispatched
     trainer.update._clip_and_check = trainer.update.clip_and_check
     trainer.train_step()  # the second step has memory

@@ -380,3 +380,61 @@ def test_a_configuration_with_init_set_by_hand_must_hold_the_checkpoints_model(c
     config = resolve("debug", None, sets, init=open_init(root / "base" / "best"))
     trainer = Trainer(config, root / "by-api", echo=False)
     assert trainer.model_config == open_init(root / "base" / "best").model_config
+
+
+# -- fast pieces of a run started from a checkpoint ---------------------------------------
+
+
+def _tiny_checkpoint(path: Path, train: dict | None = None) -> Path:
+    """A debug-shaped checkpoint with a char vocabulary (``train``: its run's record)."""
+    from collections import Counter
+
+    from txlm.checkpoints.checkpoint import save
+    from txlm.config import ModelConfig
+    from txlm.data import Vocab
+    from txlm.model import TransformerXL
+
+    vocab = Vocab.build_char(Counter("abcdefgh ,.\n"))
+    config = ModelConfig.from_preset("debug", vocab_size=len(vocab), tgt_len=10, mem_len=20)
+    extra: dict = {"vocab_fingerprint": vocab.fingerprint}
+    if train is not None:
+        extra["train"] = train
+    return save(TransformerXL(config), path, vocab=vocab, extra_config=extra)
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["trained", "converted"])
+def test_init_takes_the_checkpoints_evaluation_lengths_not_the_presets(tmp_path, recorded):
+    """The preset's eval lengths (debug: mem 32) describe another model: a run started from
+    a checkpoint evaluates as that checkpoint's run did (else with its model's lengths), and
+    an eval.* setting still wins."""
+    from txlm.checkpoints.checkpoint import Checkpoint
+    from txlm.training.config import preset_config, resolve
+
+    saved = {"eval_tgt_len": 6, "eval_mem_len": 44, "eval_clamp_len": 30, "same_length": True}
+    path = _tiny_checkpoint(tmp_path / "ckpt", {"eval": saved} if recorded else None)
+    want = saved if recorded else {"eval_tgt_len": 10, "eval_mem_len": 20,
+                                   "eval_clamp_len": -1, "same_length": False}  # fmt: skip
+    preset = preset_config("debug").eval
+    assert [getattr(preset, k) for k in want] != list(want.values())  # the test can tell
+    sets = [f"data.dataset=text:{tmp_path / 'x.txt'}"]
+    config = resolve("debug", None, sets, init=Checkpoint.open(path))
+    assert {k: getattr(config.eval, k) for k in want} == want
+    config = resolve("debug", None, [*sets, "eval.eval_mem_len=7"], init=Checkpoint.open(path))
+    assert config.eval.eval_mem_len == 7 and config.eval.eval_tgt_len == want["eval_tgt_len"]
+
+
+def test_freezing_a_layer_is_that_layer_not_every_name_it_prefixes():
+    """``optim.freeze=[layers.1]`` is layer 1 only: a prefix is whole dotted components,
+    so layers.10 and layers.11 train."""
+    from txlm.config import ModelConfig
+    from txlm.model import TransformerXL
+    from txlm.training.build import frozen_parameters
+
+    with torch.device("meta"):
+        model = TransformerXL(ModelConfig.from_preset("debug", vocab_size=50, n_layer=12))
+    names = {id(p): n for n, p in model.named_parameters()}
+    frozen = {names[id(p)] for p in frozen_parameters(model, ["layers.1"])}
+    assert frozen and all(n.startswith("layers.1.") for n in frozen)
+    assert frozen == {n for n in names.values() if n.startswith("layers.1.")}
+    both = {names[id(p)] for p in frozen_parameters(model, ["layers.1.", "layers.10"])}
+    assert both == frozen | {n for n in names.values() if n.startswith("layers.10.")}

@@ -38,3 +38,12 @@ def test_persistence_imports_nothing_of_training():
     graph = import_graph()
     for m in PERSISTENCE:
         assert not any(_reaches(graph, m, t) for t in graph if t.startswith("txlm.training")), m
+
+
+def test_the_loop_knows_tasks_only_through_the_protocol():
+    """The trainer is given its task (txlm.training.tasks: TASKS, Task): it imports no task's
+    module and nothing of classification, so it cannot ask which task it runs."""
+    direct = import_graph()[LOOP]
+    assert "txlm.training.tasks" in direct
+    named = {"txlm.training.tasks.lm", "txlm.training.tasks.classify"}
+    assert not direct & named and not [m for m in direct if m.startswith("txlm.classify")]

@@ -40,7 +40,7 @@ def _train_and_score(tmp_path, mem_len: int) -> tuple[float, int]:
         apply_set(config, *parse_set(item))
     trainer = Trainer(config, tmp_path / f"mem{mem_len}", echo=False)
     trainer.fit()
-    corpus = trainer.corpus
+    corpus = trainer.task.corpus
     tokens = np.asarray(corpus.split("valid"), dtype=np.int64)
     distances = np.asarray(copy_distances(corpus.path, "valid"))
     assert set(np.unique(distances)) == {0, DISTANCE}

@@ -169,7 +169,7 @@ def test_an_adaptive_softmax_step_reads_no_scalar(corpus, tmp_path, monkeypatch)
     with reads:
         trainer.train_step()
     assert dict(reads.calls) == {"tolist": 1}
-    trainer.buckets = lambda host_labels: (host_labels.size,)  # the trainer's host-side seam
+    trainer.task.buckets = lambda host_labels: (host_labels.size,)  # the host-side seam
     static = HostReads(monkeypatch)
     with static:
         trainer.train_step()

@@ -311,7 +311,8 @@ def run_ablation(
             seconds = time.perf_counter() - t0
 
             def nll(model: Any = model, **lengths: Any) -> float:
-                return evaluate_tokens(model, valid, batch_size=EVAL_ROWS, **lengths)["loss"]
+                used = model.lengths.replace(**lengths)
+                return evaluate_tokens(model, valid, batch_size=EVAL_ROWS, lengths=used)["loss"]
 
             init = nll(tgt_len=tgt, mem_len=model.config.mem_len, same_length=False)
             by_len = {

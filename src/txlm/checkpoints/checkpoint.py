@@ -1,10 +1,5 @@
-"""Checkpoints: a directory of JSON and safetensors files, written atomically. No pickle.
-
-    config.json          the ModelConfig (plus "format": "txlm", a version, and extras)
-    model.safetensors    weights (tied tensors stored once)
-    vocab.json           the vocabulary, when there is one
-    tokenizer.json       a bpe vocabulary's tokenizer (the model's ids mean nothing without it)
-    ...                  training adds optimizer.safetensors, trainer_state.json, memory
+"""Reading checkpoints: a directory of JSON and safetensors files (``txlm.checkpoints.files``:
+the files, and ``save``, which writes one atomically). No pickle.
 
 A checkpoint is written with ``txlm.atomic.directory``: filled in a temp directory beside it
 and swapped into place, so at every instant the old or the new checkpoint is whole on disk;
@@ -16,6 +11,14 @@ once, and the model, its vocabulary and its evaluation lengths all from that one
     ckpt = Checkpoint.open("runs/shakespeare-char/best")
     model, vocab = ckpt.load_model("cpu"), ckpt.vocab()
     lengths = ckpt.lengths(mem_len=512)     # the run's evaluation lengths, one changed
+    Checkpoint.open("transfo-xl/transfo-xl-wt103")  # a Hub repository, converted once
+
+A checkpoint holds a language model (``task`` "lm": ``TransformerXL``'s tensors) or a
+document classifier (``task`` "classify", written by ``txlm train --task classify``: its
+config.json adds a ``classifier`` section, the labels in id order, the pooling; its weights
+are ``body.*``, the language model's tensors, and ``head.*``). ``load_model`` builds either
+through the one weights reader: the header's shapes checked against config.json before any
+tensor is allocated, every file read from the copy that was opened.
 """
 
 from __future__ import annotations
@@ -25,18 +28,30 @@ import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_model
 
 from txlm import atomic, devices
+from txlm.checkpoints.files import (
+    BUILD_DIRECTLY_BELOW,
+    CONFIG_FILE,
+    FORMAT,
+    FORMAT_VERSION,
+    TOKENIZER_FILE,
+    VOCAB_FILE,
+    WEIGHTS_FILE,
+    ensure_writable,
+    estimate_checkpoint_bytes,
+    rough_parameter_count,
+    save,
+)
+from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab, check_fingerprint
 from txlm.errors import CheckpointError, ConfigError, DataError
@@ -46,112 +61,80 @@ from txlm.model.lengths import Lengths
 
 M = TypeVar("M", bound=torch.nn.Module)
 
-FORMAT = "txlm"
-FORMAT_VERSION = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-VOCAB_FILE = "vocab.json"
-TOKENIZER_FILE = "tokenizer.json"
+# what the package reaches through this module: the files' names and the writers with them
+__all__ = [
+    "CONFIG_FILE",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "TOKENIZER_FILE",
+    "VOCAB_FILE",
+    "WEIGHTS_FILE",
+    "Checkpoint",
+    "ensure_writable",
+    "estimate_checkpoint_bytes",
+    "fill_weights",
+    "home",
+    "hub_checkpoint",
+    "load",
+    "load_classifier",
+    "load_vocab",
+    "read_config",
+    "resolve",
+    "save",
+]
+
+TASKS = ("lm", "classify")  # config.json's "task": what the weights are (absent: "lm")
 # what a Hub repository id (org/name) looks like: a relative path of exactly two parts
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def estimate_checkpoint_bytes(model: torch.nn.Module, *, optimizer_moments: int = 2) -> int:
-    """Bytes a `last` checkpoint of ``model`` takes: weights plus Adam's two moments."""
-    params = {id(p): p for p in model.parameters()}.values()  # tied tensors once
-    return sum(p.numel() * p.element_size() for p in params) * (1 + optimizer_moments)
-
-
-def ensure_writable(directory: str | Path, need_bytes: int = 0) -> Path:
-    """Fail early, in one clear line, when checkpoints cannot be written to ``directory``.
-
-    Creates the directory, writes and fsyncs a probe file (a read-only file system, missing
-    permissions, a file in the way), and checks that ``need_bytes`` are free. An atomic save
-    holds the old and the new checkpoint at once, so pass twice a checkpoint's size. On
-    failure a directory this call created is removed again: nothing on disk changes.
-    """
-    directory = Path(directory)
-    created = [p for p in [directory, *directory.parents] if not p.exists()]
-    try:
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=directory, prefix=".txlm-write-probe.")
-            try:
-                os.write(fd, b"probe")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-                os.unlink(probe)
-        except OSError as exc:
-            raise CheckpointError(
-                f"cannot write checkpoints to {directory}: {exc.strerror or exc}"
-            ) from None
-        free = shutil.disk_usage(directory).free
-        if free < need_bytes:
-            raise CheckpointError(
-                f"{directory} has {free / 2**20:.1f} MiB free; checkpoints need about "
-                f"{need_bytes / 2**20:.1f} MiB (the old one is kept until the new is whole)"
-            )
-    except CheckpointError:
-        for p in created:  # deepest first
-            with contextlib.suppress(OSError):
-                p.rmdir()
-        raise
-    return directory
-
-
 def resolve(path: str | Path) -> Path:
-    """The checkpoint directory to read: ``path``, or ``path.old`` after an interrupted swap."""
+    """The checkpoint directory to read: ``path``, or ``path.old`` after an interrupted swap;
+    a Hugging Face repository id (``org/name``) that names no folder: its conversion in
+    ``TXLM_HOME`` (``hub_checkpoint``)."""
     path = atomic.resolve(path)
     if path.is_dir():
         return path
     if path.exists():
         raise CheckpointError(f"{path} is not a checkpoint directory")
     if _HUB_NAME.match(str(path)):
-        raise CheckpointError(
-            f"checkpoint {path} does not exist; if {path} names a Hugging Face model, "
-            f"convert it into one first: txlm convert --from hf {path} --out DIR"
-        )
+        return hub_checkpoint(str(path))
     raise CheckpointError(f"checkpoint {path} does not exist")
 
 
-def save(
-    model: TransformerXL,
-    directory: str | Path,
-    *,
-    vocab_json: str | None = None,
-    extra_config: dict[str, Any] | None = None,
-    extra_files: Callable[[Path], None] | None = None,
-    vocab: Any = None,
-) -> Path:
-    """Write ``model`` (and optionally its vocabulary and more files) atomically.
+def home() -> Path:
+    """Where txlm keeps what it makes for its user: ``TXLM_HOME``, else ``txlm`` in the
+    user's cache directory (``XDG_CACHE_HOME``, default ``~/.cache``)."""
+    if os.environ.get("TXLM_HOME"):
+        return Path(os.environ["TXLM_HOME"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache).expanduser() / "txlm"
 
-    ``vocab`` (a ``txlm.data.Vocab``) writes every file the vocabulary needs, a bpe
-    tokenizer.json included; ``vocab_json`` is the bare vocab.json text of a symbol-table
-    vocabulary (char, word, byte), e.g. one converted from another format.
-    """
-    if vocab is not None and vocab_json is not None:
-        raise ValueError("pass vocab or vocab_json, not both")
-    if vocab_json is not None and json.loads(vocab_json).get("level") == "bpe":
-        raise ValueError("a bpe vocabulary has a tokenizer.json too: pass vocab=, not vocab_json=")
 
-    directory = Path(directory)
-    with atomic.directory(directory) as tmp:
-        config = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "model": model.config.to_dict(),
-            **(extra_config or {}),
-        }
-        atomic.write_json(tmp / CONFIG_FILE, config)
-        save_model(model, str(tmp / WEIGHTS_FILE), metadata={"format": FORMAT})
-        if vocab_json is not None:
-            (tmp / VOCAB_FILE).write_text(vocab_json)
-        if vocab is not None:
-            vocab.save(tmp / VOCAB_FILE)
-        if extra_files is not None:
-            extra_files(tmp)
-    return directory
+def hub_checkpoint(repo_id: str) -> Path:
+    """The txlm checkpoint of the Hugging Face repository ``repo_id``: converted once, on
+    first use, into ``home()/hub/ORG--NAME`` and read from there afterwards (no network).
+    The repository's files come through ``txlm.checkpoints.hub`` (its cache, HF_ENDPOINT,
+    HF_HUB_OFFLINE); the conversion is ``txlm convert --from hf``'s, written atomically."""
+    folder = home() / "hub" / repo_id.replace("/", "--")
+    found = atomic.resolve(folder)
+    if found.is_dir():
+        return found
+    from txlm.checkpoints import hub
+    from txlm.checkpoints.convert import convert_hf
+
+    try:
+        source = hub.download(repo_id, progress=False)
+    except CheckpointError:
+        if not hub.offline():
+            raise
+        raise CheckpointError(
+            f"checkpoint {repo_id} does not exist, and as a Hugging Face repository it is "
+            f"neither converted in {folder} nor cached (HF_HUB_OFFLINE is set): convert a "
+            f"local copy of it with txlm convert --from hf DIR --out {folder}"
+        ) from None
+    convert_hf(source, folder, source=f"hf-hub:{repo_id}")
+    return folder
 
 
 def _parse_config(directory: Path) -> dict[str, Any]:
@@ -220,8 +203,10 @@ class Checkpoint:
 
     path: Path  # the resolved directory: NAME, or NAME.old after an interrupted swap
     data: dict[str, Any]  # config.json as parsed
-    model_config: ModelConfig
+    model_config: ModelConfig  # the language model's, a classifier's body's
     has_vocab: bool  # vocab.json present when opened
+    task: str  # "lm" or "classify"
+    classifier: ClassifierConfig | None  # a classifier's labels and pooling
     _identity: tuple[int, int] | None = field(repr=False)
     _recorded: Lengths = field(repr=False)  # the lengths the run evaluated with, else the model's
     _cache: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -244,11 +229,22 @@ class Checkpoint:
             recorded = Lengths.of(config, **{f: saved.get(k) for f, k in _EVAL_KEYS.items()})
         except ConfigError as exc:
             raise CheckpointError(f"{config_file}: train.eval: {exc}") from None
+        task = data.get("task", "lm")
+        if task not in TASKS:
+            raise CheckpointError(f"{config_file}: task {task!r} is none of {', '.join(TASKS)}")
+        classifier = None
+        if task == "classify":
+            try:
+                classifier = ClassifierConfig.from_dict(data.get("classifier"))  # type: ignore[arg-type]
+            except (ConfigError, TypeError) as exc:
+                raise CheckpointError(f"{config_file}: {exc}") from None
         ckpt = cls(
             path=directory,
             data=data,
             model_config=config,
             has_vocab=(directory / VOCAB_FILE).is_file(),
+            task=task,
+            classifier=classifier,
             _identity=identity,
             _recorded=recorded,
         )
@@ -317,20 +313,29 @@ class Checkpoint:
         return vocab
 
     def load_model(
-        self, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
-    ) -> TransformerXL:
-        """A new model in eval mode with the checkpoint's weights. ``align_heads``: store the
-        heads, widths and keys padded to multiples of 8 (``txlm.model.align``; auto: on CUDA,
-        where it pays)."""
-        if self.data.get("task", "lm") != "lm":  # a classifier: body.* and head.* weights
-            raise CheckpointError(
-                f"{self.path} is a {self.data['task']} checkpoint, not a language model: "
-                "use txlm classify or txlm.load_classifier"
-            )
+        self,
+        device: str | torch.device = "cpu",
+        align_heads: bool | str = "auto",
+        *,
+        task: str | None = None,
+    ) -> Any:
+        """A new model in eval mode with the checkpoint's weights: a ``TransformerXL``, or a
+        ``Classifier`` (its vocabulary, when the checkpoint has one, as ``.vocab``).
+        ``task``: the kind the caller needs ("lm", "classify"; None: either), another one
+        refused in one line. ``align_heads``: store the heads, widths and keys padded to
+        multiples of 8 (``txlm.model.align``; auto: on CUDA, where it pays)."""
+        if task is not None and task != self.task:
+            raise CheckpointError(_WRONG_TASK[task].format(path=self.path, task=self.task))
         aligned = devices.wanted(align_heads, device)
         stored = Stored.aligned(self.model_config) if aligned else None
+        if self.classifier is None:
+            with self._reading():
+                return _load_weights(self.path, self.model_config, device, stored).eval()
         with self._reading():
-            model = _load_weights(self.path, self.model_config, device, stored)
+            model = _load_weights(
+                self.path, self.model_config, device, stored, classifier=self.classifier
+            )
+        model.vocab = self.vocab() if self.has_vocab else None
         return model.eval()
 
     def weights_sha256(self) -> str:
@@ -368,11 +373,21 @@ class Checkpoint:
             )
 
 
-def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
+# what ``load_model(task=...)`` says when the checkpoint holds the other kind of model
+_WRONG_TASK = {
+    "lm": "{path} is a {task} checkpoint, not a language model: use txlm classify or "
+    "txlm.load_classifier",
+    "classify": "{path} is a language model, not a classifier: train one with txlm train "
+    "--init {path} --task classify",
+}
+
+
+def _header_shapes(weights: Path, config: ModelConfig, prefix: str = "") -> dict[str, list[int]]:
     """Tensor shapes from the weights file's header (no tensor data is read).
 
     Also checks the layer count against config.json before any model is built: a config
     claiming a million layers must not cost a million module constructions to refuse.
+    ``prefix``: where the language model's tensors are (a classifier's body: "body.").
     """
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -381,7 +396,8 @@ def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
         raise CheckpointError(
             f"{weights} is not a readable safetensors file: {str(exc).splitlines()[0]}"
         ) from None
-    layers = {k.split(".")[1] for k in shapes if k.startswith("layers.")}
+    start = prefix + "layers."
+    layers = {k[len(start) :].split(".")[0] for k in shapes if k.startswith(start)}
     if len(layers) != config.n_layer:
         raise CheckpointError(
             f"{weights} does not match its config.json: it holds {len(layers)} layers, "
@@ -390,7 +406,7 @@ def _header_shapes(weights: Path, config: ModelConfig) -> dict[str, list[int]]:
     return shapes
 
 
-def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: TransformerXL) -> None:
+def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: torch.nn.Module) -> None:
     """Compare the header's shapes with the model (on the meta device: still unallocated).
 
     config.json decides how much memory ``to_empty`` allocates; a config that claims a huge
@@ -406,40 +422,41 @@ def _check_shapes(weights: Path, shapes: dict[str, list[int]], model: Transforme
             )
 
 
-_BUILD_DIRECTLY_BELOW = 20_000_000  # parameters; larger models are built on the meta device
-
-
-def _rough_parameter_count(c: ModelConfig) -> int:
-    """An upper-end estimate from the config alone (attention, feed-forward, embeddings)."""
-    assert c.d_embed is not None
-    per_layer = 4 * c.d_model * c.n_head * c.d_head + 2 * c.d_model * c.d_inner
-    return c.n_layer * per_layer + 2 * c.vocab_size * max(c.d_embed, c.d_model)
-
-
 def _load_weights(
-    directory: Path, config: ModelConfig, device: str | torch.device, stored: Stored | None = None
-) -> TransformerXL:
+    directory: Path,
+    config: ModelConfig,
+    device: str | torch.device,
+    stored: Stored | None = None,
+    *,
+    classifier: ClassifierConfig | None = None,
+) -> Any:
     """``config``'s model, stored with ``stored`` (txlm.model.align), with the weights of
-    ``directory``, checked against the header first."""
+    ``directory``, checked against the header first; ``classifier``: that classifier with
+    ``config``'s model as its body."""
     weights = directory / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"{directory} has no {WEIGHTS_FILE}")
-    shapes = _header_shapes(weights, config)
-    if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
+    shapes = _header_shapes(weights, config, prefix="" if classifier is None else "body.")
+
+    def build() -> Any:
+        body = TransformerXL(config, stored)
+        return body if classifier is None else Classifier(body, classifier)
+
+    if rough_parameter_count(config) <= BUILD_DIRECTLY_BELOW:
         # A small model is cheaper to build for real (its random init is quick) than on the
         # meta device, whose first use imports torch's Python reference kernels, a start-up
         # cost every `txlm eval/generate` would pay. fork_rng: loading must not advance the
         # caller's random stream (a resumed run restores its own RNG state afterwards).
         with torch.random.fork_rng(devices=[]):
-            model = TransformerXL(config, stored)
+            model = build()
         _check_shapes(weights, shapes, model)
         model = model.to(device)
     else:
         with torch.device("meta"):
-            model = TransformerXL(config, stored)
+            model = build()
         _check_shapes(weights, shapes, model)  # before allocating what config.json claims
         model = model.to_empty(device=device)
-        model.tie_weights()
+        (model if classifier is None else model.body).tie_weights()
     return fill_weights(model, weights, device)
 
 
@@ -467,8 +484,16 @@ def fill_weights(model: M, weights: Path, device: str | torch.device) -> M:
 def load(
     directory: str | Path, *, device: str | torch.device = "cpu", align_heads: bool | str = "auto"
 ) -> TransformerXL:
-    """A model in eval mode from a checkpoint directory (``Checkpoint.load_model``)."""
-    return Checkpoint.open(directory).load_model(device, align_heads)
+    """A language model in eval mode from a checkpoint directory (``Checkpoint.load_model``;
+    a classifier's is refused: ``load_classifier``)."""
+    return Checkpoint.open(directory).load_model(device, align_heads, task="lm")
+
+
+def load_classifier(directory: str | Path, *, device: str | torch.device = "cpu") -> Classifier:
+    """A classifier in eval mode from a checkpoint directory, with its vocabulary (when the
+    checkpoint has one) as ``.vocab`` (``Checkpoint.load_model``; a language model's is
+    refused)."""
+    return Checkpoint.open(directory).load_model(device, align_heads=False, task="classify")
 
 
 def load_vocab(directory: str | Path) -> Vocab:

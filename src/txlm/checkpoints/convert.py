@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txlm.checkpoints.checkpoint import _BUILD_DIRECTLY_BELOW, _rough_parameter_count, save
+from txlm.checkpoints.files import BUILD_DIRECTLY_BELOW, rough_parameter_count, save
 from txlm.checkpoints.safe_unpickle import load_pickled_object
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
@@ -262,7 +262,7 @@ def _empty_model(config: ModelConfig, state: dict[str, Tensor]) -> TransformerXL
         raise CheckpointError(
             f"the weights hold {len(layers)} layers, config.json says n_layer={config.n_layer}"
         )
-    if _rough_parameter_count(config) <= _BUILD_DIRECTLY_BELOW:
+    if rough_parameter_count(config) <= BUILD_DIRECTLY_BELOW:
         return TransformerXL(config)
     with torch.device("meta"):
         return TransformerXL(config)

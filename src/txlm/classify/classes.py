@@ -73,10 +73,6 @@ class ClassDataset:
     splits: dict[str, Documents]
     meta: dict[str, Any]
 
-    @property
-    def n_labels(self) -> int:
-        return len(self.labels)
-
     def split(self, name: str) -> Documents:
         if name not in self.splits:
             raise DataError(f"{self.path} has no {name} split")

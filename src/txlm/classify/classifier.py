@@ -85,7 +85,7 @@ class ClassifierOutput:
 
 
 class Classifier(nn.Module):
-    vocab: Any = None  # the checkpoint's vocabulary, set by txlm.classify.load_classifier
+    vocab: Any = None  # the checkpoint's vocabulary, set by txlm.load_classifier
 
     def __init__(self, body: TransformerXL, config: ClassifierConfig) -> None:
         super().__init__()

@@ -5,64 +5,34 @@
     txlm.classify(clf, [12, 7, 40, ...])           # token ids of the checkpoint's vocabulary
 
 A classifier checkpoint is a txlm checkpoint whose config.json says ``"task": "classify"``
-and holds a ``classifier`` section (the labels in id order, the pooling, the lengths); its
-``model`` section is the body's configuration and model.safetensors holds ``body.*`` (the
-language model's tensors) and ``head.*``. ``txlm.load`` refuses it (it is not a language
-model) and ``load_classifier`` refuses a language model, each in one line.
+and holds a ``classifier`` section (the labels in id order, the pooling); its ``model``
+section is the body's configuration and model.safetensors holds ``body.*`` (the language
+model's tensors) and ``head.*``. It is read as every checkpoint is
+(``txlm.checkpoints.checkpoint.Checkpoint.load_model``; ``load_classifier`` is that call):
+``txlm.load`` refuses it (it is not a language model) and ``load_classifier`` refuses a
+language model, each in one line.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from txlm.checkpoints import checkpoint
-from txlm.classify.classifier import Classifier, ClassifierConfig
+from txlm.classify.classifier import Classifier
 from txlm.classify.documents import pad_documents
-from txlm.errors import CheckpointError, ConfigError, DataError
-from txlm.model import TransformerXL
+from txlm.errors import CheckpointError, DataError
 from txlm.progress import Progress
 
 TASK = "classify"
 
 
-def is_classifier(config: dict[str, Any]) -> bool:
-    """Whether a parsed config.json is a classifier's."""
-    return config.get("task") == TASK
-
-
 def checkpoint_extras(model: Classifier) -> dict[str, Any]:
     """What a classifier's config.json holds besides the body's ``model`` section."""
     return {"task": TASK, "classifier": model.classifier_config.to_dict()}
-
-
-def load_classifier(path: str | Path, *, device: str | torch.device = "cpu") -> Classifier:
-    """A classifier in eval mode from a checkpoint directory, with its vocabulary (when the
-    checkpoint has one) as ``.vocab``."""
-    ckpt = checkpoint.Checkpoint.open(path)
-    if not is_classifier(ckpt.data):
-        raise CheckpointError(
-            f"{ckpt.path} is a language model, not a classifier: train one with txlm train "
-            f"--init {ckpt.path} --task classify"
-        )
-    try:
-        config = ClassifierConfig.from_dict(ckpt.data.get("classifier"))  # type: ignore[arg-type]
-    except (ConfigError, TypeError) as exc:
-        raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG_FILE}: {exc}") from None
-    weights = ckpt.path / checkpoint.WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{ckpt.path} has no {checkpoint.WEIGHTS_FILE}")
-    with torch.random.fork_rng(devices=[]):  # loading must not move the caller's RNG
-        model = Classifier(TransformerXL(ckpt.model_config), config)
-    checkpoint.fill_weights(model, weights, device)
-    model = model.to(device).eval()
-    model.vocab = ckpt.vocab() if ckpt.has_vocab else None
-    return model
 
 
 @dataclass

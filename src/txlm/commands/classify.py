@@ -36,8 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
 
+    from txlm.checkpoints.checkpoint import Checkpoint
     from txlm.classify.classes import read_document
-    from txlm.classify.predict import load_classifier, predict
+    from txlm.classify.predict import predict
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError, ConfigError
 
@@ -46,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     if [str(f) for f in args.files].count("-") > 1:
         raise ConfigError("- (standard input) can be one document only: name it once")
     apply_threads(args)
-    model = load_classifier(args.checkpoint, device=resolve_device(args.device))
+    model = Checkpoint.open(args.checkpoint).load_model(
+        resolve_device(args.device), align_heads=False, task="classify"
+    )
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode text")
     docs = [read_document(path, model.vocab) for path in args.files]  # all checked first

@@ -9,7 +9,6 @@ training memory: the relative encoding has no absolute positions to run out of.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         log=_note,  # on stderr, so --json output stays one object
         progress=show and sys.stderr.isatty(),
     )
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     recorded_rows = (train.get("eval") or {}).get("batch_size")
     batch_size = args.batch_size or recorded_rows or 1
     # A memory or cache that cannot fit is refused before it is allocated (a lower bound,
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         model,
         tokens,
         batch_size=batch_size,
-        **dataclasses.asdict(lengths),
+        lengths=lengths,
         max_steps=args.max_steps,
         precision=args.precision,
         metric=corpus.metric,

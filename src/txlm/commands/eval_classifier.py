@@ -23,7 +23,6 @@ def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
     from txlm.checkpoints.dataset import dataset_of
     from txlm.classify.classes import open_classes
     from txlm.classify.evaluation import evaluate_documents, report
-    from txlm.classify.predict import load_classifier
     from txlm.devices import resolve_device
     from txlm.errors import CheckpointError
 
@@ -43,7 +42,7 @@ def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
     if ref is None:
         raise CheckpointError(f"{args.checkpoint} does not name its dataset: pass --dataset")
     dataset = ref.name
-    model = load_classifier(args.checkpoint, device=resolve_device(args.device))
+    model = ckpt.load_model(resolve_device(args.device), align_heads=False, task="classify")
     if model.vocab is None:
         raise CheckpointError(f"{args.checkpoint} has no vocab.json: cannot encode the dataset")
     split_options = train.get("classify") or {}

@@ -9,7 +9,6 @@ become ``<unk>`` when it has one, otherwise the file is refused (exit 2).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -58,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     result = score_file(
         ckpt,
         args.file,
-        **dataclasses.asdict(lengths),
+        lengths=lengths,
         device=device,
         progress=not quiet and sys.stderr.isatty(),
         data=data,

@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     # the lengths of this run only: the model keeps the ones it was built with
     lengths = ckpt.lengths(args.tgt_len, args.mem_len, args.clamp_len)
     vocab = ckpt.vocab()
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     _check_memory(args, model, device, rows=len(texts) * args.num_samples, mem_len=lengths.mem_len)
 
     prompts = []

@@ -137,12 +137,7 @@ def run(args: argparse.Namespace) -> int:
         from txlm.checkpoints.checkpoint import Checkpoint
 
         ckpt = Checkpoint.open(args.checkpoint)
-        if ckpt.data.get("task") == "classify":  # body and head (txlm.classify.predict)
-            from txlm.classify.predict import load_classifier
-
-            model = load_classifier(ckpt.path)
-        else:
-            model = ckpt.load_model()
+        model = ckpt.load_model()  # a language model or a classifier (body and head)
         summary = {"path": str(args.checkpoint), "params": model.num_parameters(), **ckpt.data}
         if args.json:
             print(json.dumps(summary, sort_keys=True))

@@ -172,10 +172,7 @@ def evaluate_tokens(
     tokens: Tensor | np.ndarray,
     *,
     batch_size: int = 1,
-    tgt_len: int | None = None,
-    mem_len: int | None = None,
-    clamp_len: int | None = None,
-    same_length: bool | None = None,
+    lengths: Lengths | None = None,
     max_steps: int | None = None,
     precision: str = "fp32",
     metric: str | None = None,
@@ -188,6 +185,7 @@ def evaluate_tokens(
 ) -> dict[str, Any]:
     """Mean next-token loss over a stream, memory carried across segments.
 
+    ``lengths``: the attention lengths to read with (None: the model's, ``model.lengths``).
     Returns a dict: ``loss`` (nats per predicted token), ``tokens`` (predicted), ``segments``,
     ``seconds``, ``tokens_per_s``, the lengths used, and ``bpc``/``ppl`` when ``metric`` is
     given (``bpb`` needs ``tokens_per_byte`` of the stream's text and adds token ``ppl``).
@@ -197,10 +195,7 @@ def evaluate_tokens(
     rounding, faster with long memory). ``compile``: see ``stream_segments``.
     ``on_segment(done, total)`` hears each segment read (progress where no bar can be drawn).
     """
-    used = Lengths.of(
-        model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
-        same_length=same_length,
-    )  # fmt: skip
+    used = model.lengths if lengths is None else lengths
     segments = stream_segments(
         model, tokens, lengths=used, batch_size=batch_size, max_segments=max_steps,
         precision=precision, kv_cache=kv_cache, compile=compile,

@@ -3,8 +3,9 @@
 Legend: B batch, L segment length, M memory length (<= mem_len), H heads, Dh head dim,
 D model dim, N layers.
 
-Why. Transformer-XL's memory holds each layer's *input* hidden states; every forward projects
-all M + L of them to keys and values (``RelativeAttention.project_kv``), although the M memory
+Why. Transformer-XL's memory holds each layer's *input* hidden states; a forward over that
+memory projects all M + L of them to keys and values (the layer's one key/value product over
+the memory and the segment joined), although the M memory
 positions were projected already, as current positions, one segment earlier. With fixed
 weights and no dropout (evaluation) those projections are the same numbers, so this runner
 keeps them: per layer the keys and values [B, H, M, Dh] of the memory positions, trimmed to

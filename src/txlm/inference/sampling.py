@@ -391,7 +391,7 @@ def top_k_candidates(scores: Tensor, config: SamplingConfig) -> tuple[Tensor, Te
 
     The distribution of ``filter_log_probs`` restricted to the k tokens it keeps: one
     ``topk`` and a softmax over k values instead of masking and normalising the whole
-    vocabulary, and a draw over k candidates (an exponential per candidate, see ``draw``).
+    vocabulary, and a draw over k candidates (an exponential per candidate, see ``race``).
     None when there is no top-k cut. Device work only: no value is read on the host.
     """
     k, vocab = config.top_k, scores.size(-1)
@@ -413,28 +413,10 @@ def candidate_probs(vals: Tensor, config: SamplingConfig) -> Tensor:
     return min_p_cut(kept, config).softmax(dim=-1)
 
 
-def draw_cdf(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One index per row of [B, V] probabilities -> [B]: the first index whose cumulative
-    probability exceeds a uniform u (inverse-CDF sampling; a u past the rounded total is
-    clamped to the last index)."""
-    u = torch.rand(probs.size(0), 1, generator=generator, device=probs.device, dtype=probs.dtype)
-    return cdf_index(probs.cumsum(dim=-1), u)
-
-
 def cdf_index(cdf: Tensor, u: Tensor) -> Tensor:
     """[B, N] cumulative probabilities, [B, 1] uniforms -> [B]: how many entries are <= u
     (the drawn index), at most N - 1."""
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=cdf.size(-1) - 1)
-
-
-def draw(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One index per row of [B, k] probabilities -> [B, 1]: ``torch.multinomial(probs, 1)``
-    without its input checks (a dozen small operations; softmax output needs none).
-
-    It is the same computation (ATen draws a single sample as argmax p_i / E_i with E_i
-    exponential, one per candidate), so the same generator state gives the same index.
-    """
-    return race(probs, torch.empty_like(probs).exponential_(generator=generator))
 
 
 def race(probs: Tensor, noise: Tensor) -> Tensor:

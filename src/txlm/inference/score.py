@@ -10,7 +10,6 @@ N - 1 output values grow with the text.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -47,6 +46,7 @@ def score(
     ids_or_text: str | Sequence[int] | Tensor | np.ndarray,
     vocab: Any = None,
     *,
+    lengths: Lengths | None = None,
     tgt_len: int | None = None,
     mem_len: int | None = None,
     clamp_len: int | None = None,
@@ -56,8 +56,8 @@ def score(
     """log p(x_t | x_<t) for t = 1 .. N-1: float32 [N - 1] (the first token has no context).
 
     ``ids_or_text``: token ids ([N] list / array / tensor) or a string encoded with ``vocab``
-    (``Vocab.encode``; its rules for unknown symbols apply). Lengths default to the model's
-    config; the model's own config is left unchanged.
+    (``Vocab.encode``; its rules for unknown symbols apply). ``lengths`` (None: the model's),
+    each of ``tgt_len`` .. ``same_length`` given changing it; the model is left unchanged.
     """
     ids = _ids(ids_or_text, vocab)
     vocab_size = model.config.vocab_size
@@ -72,10 +72,9 @@ def score(
         from tqdm import tqdm
 
         bar = tqdm(total=n, unit="tok", desc="score", leave=False)
-    lengths = Lengths.of(
-        model.config, tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len,
-        same_length=same_length,
-    )  # fmt: skip
+    lengths = (model.lengths if lengths is None else lengths).replace(
+        tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
+    )
     segments = stream_segments(model, ids, lengths=lengths)
     for seg in segments:
         width = seg.input_ids.size(1)
@@ -120,28 +119,25 @@ def score_file(
     checkpoint: str | Path | Checkpoint,
     path: str | Path,
     *,
-    tgt_len: int | None = None,
-    mem_len: int | None = None,
-    clamp_len: int | None = None,
-    same_length: bool | None = None,
+    lengths: Lengths | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
     data: bytes | None = None,
 ) -> dict[str, Any]:
     """``txlm eval CKPT --file F``: score any text file with a checkpoint, one stream.
-    ``data``: the file's bytes, already read (standard input: ``path`` is its name only).
 
-    ``checkpoint``: a directory or an open ``Checkpoint``. Lengths default to its evaluation
-    lengths (``Checkpoint.lengths``). Symbols outside the vocabulary become ``<unk>`` when it
-    has one, else the file is refused.
+    ``checkpoint``: a directory or an open ``Checkpoint``. ``lengths`` default to its
+    evaluation lengths (``Checkpoint.lengths()``). ``data``: the file's bytes, already read
+    (standard input: ``path`` is its name only). Symbols outside the vocabulary become
+    ``<unk>`` when it has one, else the file is refused.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
-    used = ckpt.lengths(tgt_len, mem_len, clamp_len, same_length)
+    used = ckpt.lengths() if lengths is None else lengths
     file = Path(path)
     if data is None and not file.is_file():
         raise DataError(f"text file {file} does not exist")
     vocab = ckpt.vocab()
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     raw = file.read_bytes() if data is None else data
     try:
         text: str | bytes = raw if vocab.level == "byte" else raw.decode("utf-8")
@@ -159,7 +155,7 @@ def score_file(
     n_bytes = len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
 
     began = time.perf_counter()
-    log_probs = score(model, ids, **dataclasses.asdict(used), progress=progress)
+    log_probs = score(model, ids, lengths=used, progress=progress)
     seconds = time.perf_counter() - began
     result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
     from txlm.data.metrics import metric_for_level, metrics

@@ -196,17 +196,6 @@ class RelativeAttention(nn.Module):
         idx = pos.long().clamp(0, self.r_emb.size(0) - 1)
         return self.r_emb[idx].transpose(0, 1)
 
-    def score_terms(
-        self, q: Tensor, k: Tensor, rk: Tensor | None, u: Tensor | None, v: Tensor | None
-    ) -> tuple[Tensor, Tensor | None]:
-        """Content scores (a)+(c) [B, H, L, K] and shifted position scores (b)+(d), unscaled."""
-        qc = q if u is None else q + u[:, None, :]
-        content = qc @ k.transpose(-1, -2)
-        if rk is None:
-            return content, None
-        qp = q if v is None else q + v[:, None, :]
-        return content, rel_shift(qp @ rk.transpose(-1, -2))
-
     def _scores(
         self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool, rows: bool = False
     ) -> Tensor:

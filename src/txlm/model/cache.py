@@ -140,16 +140,6 @@ class KVCache:
         self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (CacheStep.write)
 
     @property
-    def k(self) -> Tensor:
-        """Keys [N, B, H, S, Dh] (a view)."""
-        return self.kv[:, 0]
-
-    @property
-    def v(self) -> Tensor:
-        """Values [N, B, H, S, Dh] (a view)."""
-        return self.kv[:, 1]
-
-    @property
     def batch(self) -> int:
         return self.kv.size(2)
 
@@ -267,13 +257,6 @@ class KVCache:
     def memory_valid(self) -> Tensor:
         """bool [B, M']: which memory positions the next token may attend to (its document's)."""
         return self.doc[:, self._memory_slots()] == self.open_doc[:, None]
-
-    def cast(self, dtype: torch.dtype) -> None:
-        """Hold keys, values and position keys in ``dtype`` from now on."""
-        if self.kv.dtype != dtype:
-            self.kv = self.kv.to(dtype)
-            self.tables = None if self.tables is None else [t.to(dtype) for t in self.tables]
-            self.ring_tables = [t.to(dtype) for t in self.ring_tables]
 
     def resized(self, max_len: int) -> KVCache:
         """The same memory in a cache for segments of at most ``max_len`` (e.g. 1 to decode

@@ -4,10 +4,10 @@ Dimension legend
     D  model dim     I  H Dh, the attention's inner dim     F  feed-forward inner dim
 
 A decoding step multiplies one row per sequence by each weight: a matrix-vector product,
-bound by reading the weight. On a CPU its speed depends on the layout: from a contiguous
-[in, out] buffer MKL streams it about twice as fast as from the [out, in] weight of an
-``nn.Linear`` viewed transposed (1024 x 256: ~9 us instead of ~16 us, one thread), so there
-the weights where it matters are held as such copies (``one_row_layout``). On CUDA, where
+bound by reading the weight. On a CPU its speed depends on the layout: MKL streams a
+contiguous [in, out] buffer faster than the [out, in] weight of an ``nn.Linear`` viewed
+transposed, so there the weights where it matters are held as such copies
+(``one_row_layout``). On CUDA, where
 the product is a kernel either way, they are views of the parameters unless the decoder runs
 in another dtype (bf16 weights halve the bytes a token reads). Made once per decoder, from
 the model as it is at that moment: the model itself is not changed or copied. (``.to(dtype)``
@@ -22,11 +22,8 @@ import torch
 from torch import Tensor, nn
 
 # Above this many elements a one-row product on a CPU streams the weight as fast from either
-# layout (10000 x 256: ~360 us both ways; 2100 x 410: ~115 us), and a copy would only cost
-# the decoder's set-up time; below it the contiguous [in, out] copy is faster for every
-# shape a layer has (one thread, weights in cache): 1230 x 410 29 us instead of 41, 1024 x
-# 256 9 instead of 16, 256 x 1024 (the second feed-forward layer) 11 instead of 17, 256 x
-# 256 4.5 instead of 5.7.
+# layout (it no longer fits in cache), and a copy would only cost the decoder's set-up time;
+# below it the contiguous [in, out] copy is the faster one for every shape a layer has.
 SMALL_WEIGHT = 600_000
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.checkpoints.convert import text_options
-from txlm.classify.predict import is_classifier, load_classifier
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import TxlmError
@@ -48,7 +47,7 @@ class Service:
         self.precision = precision
         self.lengths = self.ckpt.lengths(tgt_len, mem_len, clamp_len)
         self.name = name or self.ckpt.path.name
-        self.task = "classify" if is_classifier(self.ckpt.data) else "lm"
+        self.task = self.ckpt.task
         self.created = int(time.time())
         self.metrics = Metrics()
         self.sessions = SessionStore(self.config.max_sessions, self.config.max_session_bytes)
@@ -85,7 +84,8 @@ class Service:
 
     def load(self) -> None:
         if self.task == "classify":
-            self.model = load_classifier(self.ckpt.path, device=self.device)
+            # the opened checkpoint's classifier (its body unpadded, as txlm.load_classifier)
+            self.model = self.ckpt.load_model(self.device, align_heads=False, task="classify")
             self.vocab = self.model.vocab
         else:
             self.model = self.ckpt.load_model(self.device)

@@ -137,7 +137,8 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"{directory} has no {name}: only a `last` checkpoint can be resumed"
                 )
-        saved = checkpoint.read_config(directory)
+        opened = checkpoint.Checkpoint.open(directory)
+        saved = opened.data
         fingerprint = self.run_info.get("vocab_fingerprint")
         if saved.get("vocab_fingerprint") != fingerprint:
             raise CheckpointError(
@@ -146,13 +147,10 @@ class CheckpointManager:
             )
         if ModelConfig.from_dict(saved["model"]) != self.model_config:
             raise CheckpointError(f"{directory}: model.* settings differ from the checkpoint's")
-        # a classifier: body.* and head.* (txlm.classify.predict)
-        if saved.get("task") == "classify":
-            from txlm.classify.predict import load_classifier
-
-            loaded = load_classifier(directory, device=self.device)
-        else:
-            loaded = checkpoint.load(directory, device=self.device)
+        # a language model, or a classifier (body.* and head.*): the checkpoint's own kind
+        loaded = opened.load_model(
+            self.device, align_heads=False, task=self.run_info.get("task", "lm")
+        )
         self.model.load_state_dict(loaded.state_dict())
         self.model.train()
         # Each of the three resume-only files may be damaged or foreign (truncated, zero

@@ -317,7 +317,8 @@ def resolve(
     ``base`` (a checkpoint's saved config, for --resume) replaces the preset layer.
     ``init`` (a ``txlm.checkpoints.checkpoint.Checkpoint``, for --init) gives the model section: the
     files and --set may change only what ``txlm.training.init.TUNABLE_MODEL_KEYS`` names,
-    and the evaluation lengths default to the model's, not the preset's.
+    and the evaluation lengths default to the checkpoint's (``Checkpoint.lengths``: what its
+    run evaluated with, else its model's), not the preset's.
     """
     files = [load_yaml(f) for f in config_files or []]
     if base is not None:
@@ -330,8 +331,10 @@ def resolve(
         config = preset_config(name or DEFAULT_PRESET)
     if init is not None:
         config.model = {}  # from here on: the run's own model settings
-        e = config.eval
-        e.eval_tgt_len = e.eval_mem_len = e.eval_clamp_len = e.same_length = None
+        # the checkpoint's evaluation lengths (its run's, else its model's), not the preset's
+        lengths, e = init.lengths(), config.eval
+        e.eval_tgt_len, e.eval_mem_len = lengths.tgt_len, lengths.mem_len
+        e.eval_clamp_len, e.same_length = lengths.clamp_len, lengths.same_length
     for data in files:
         data = {k: v for k, v in data.items() if k != "preset"}
         _merge(config, data, "")

@@ -107,12 +107,6 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def broadcast_tensor(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    if active():
-        dist.broadcast(tensor, src=src)
-    return tensor
-
-
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` from rank ``src`` on every rank (JSON-able values)."""
     if not active():

@@ -15,8 +15,18 @@ from txlm.data import PreparedCorpus
 from txlm.data.text import normalize_text
 from txlm.inference.evaluate import evaluate_tokens
 from txlm.model import TransformerXL
+from txlm.model.lengths import Lengths
 from txlm.training.config import TrainConfig
 from txlm.training.sample import sample_text
+
+
+def eval_lengths(model: TransformerXL, config: TrainConfig) -> Lengths:
+    """The lengths a run evaluates with: ``eval``'s, each not set the model's."""
+    e = config.eval
+    return model.lengths.replace(
+        tgt_len=e.eval_tgt_len, mem_len=e.eval_mem_len, clamp_len=e.eval_clamp_len,
+        same_length=e.same_length,
+    )  # fmt: skip
 
 
 def evaluate_split(
@@ -52,10 +62,7 @@ def evaluate_split(
         model,
         tokens,
         batch_size=e.batch_size,
-        tgt_len=e.eval_tgt_len,
-        mem_len=e.eval_mem_len,
-        clamp_len=e.eval_clamp_len,
-        same_length=e.same_length,
+        lengths=eval_lengths(model, config),
         max_steps=max_steps,
         precision=config.run.precision,
         metric=corpus.metric,
@@ -105,10 +112,7 @@ def final_evaluation(
         t0 = time.perf_counter()
         # the run's evaluation lengths, which `txlm generate CKPT` reads from the checkpoint
         # (Checkpoint.lengths): the same seed then gives the same text there
-        lengths = model.lengths.replace(
-            tgt_len=e.eval_tgt_len, mem_len=e.eval_mem_len, clamp_len=e.eval_clamp_len,
-            same_length=e.same_length,
-        )  # fmt: skip
+        lengths = eval_lengths(model, config)
         # a corpus prepared lower-cased (a converted tokenizer's option): the prompt too
         lower = bool(corpus.meta.get("tokenizer", {}).get("lower_case"))
         prompt = normalize_text(e.sample_prompt, {"lower_case": lower})

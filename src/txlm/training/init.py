@@ -96,5 +96,5 @@ def load_init_weights(model: nn.Module, source: Checkpoint | nn.Module) -> None:
     ``model``, built (unaligned) from the checkpoint's model configuration with at most the
     tunable keys changed: none of them shapes a weight."""
     if isinstance(source, Checkpoint):
-        source = source.load_model(device="cpu", align_heads=False)
+        source = source.load_model(device="cpu", align_heads=False, task="lm")
     model.load_state_dict(source.state_dict())

@@ -3,14 +3,17 @@
 Legend: B global batch rows, b = B / W rows on each of W ranks, c = b / A rows per gradient
 accumulation chunk, L segment length, M memory length, D model dim.
 
-One step:
-  1. the stream iterator yields this rank's b rows of the next segment (row i of step t+1
-     continues row i of step t, so row i's memory is its true preceding text);
-  2. the objective (``optim.loss``) picks the positions the loss counts; the rows are split
-     into A chunks; each chunk runs forward with its rows' memory and backward on
-     sum(token losses) * W / N,   N = counted tokens of the global batch,
-     so DDP's gradient average is exactly the mean token loss of the global batch: one
-     process with batch B and W processes with B / W rows each take the same step;
+What the run learns is its task (``training.tasks``: language modelling, ``lm``, or
+document classification, ``classify``): the data and its batches, the model, the loss of a
+chunk, the evaluation of a split, the final evaluation, what the checkpoints record. The
+trainer owns the rest and never asks which task it runs. One step:
+  1. the task's batches yield this rank's b rows (a language model's: the next segment of
+     every row, row i of step t+1 continuing row i of step t, so row i's memory is its true
+     preceding text), and the task's labels say what the loss counts;
+  2. the rows are split into A chunks; each chunk runs forward with its rows' memory and
+     backward on sum(losses) * W / N,   N = counted labels of the global batch,
+     so DDP's gradient average is exactly the mean loss of the global batch: one process
+     with batch B and W processes with B / W rows each take the same step;
   3. gradients are clipped (``optim.clip``), the learning rate follows the schedule, Adam
      steps. The reported gradient norm is the one before clipping.
 Memory is detached by the model and reset where the data says (a new epoch, or the
@@ -23,15 +26,15 @@ divergence stop, the stop votes of a DDP run and the logs come from those reads,
 late. Before a checkpoint or validation the loop reads the step it has not read yet, so
 ``last`` always holds up-to-date counters.
 
-The pieces: ``config`` (``TrainConfig``), ``build`` (the corpus, its stream of batches, the
-optimizer), ``step`` (one optimisation step), ``schedule`` (learning rate), ``state`` (the
-components with their own state: counters, memory, RNG; Adam's moments without pickle),
-``checkpoint_manager`` (``last`` / ``best`` and resume, handed those components),
-``evaluation`` (validation, the final evaluation and sample), ``metrics`` (JSONL,
-TensorBoard, progress, ETA), ``objective`` (which positions count), ``precision`` (bf16
-compute weights), ``signals`` (SIGINT/SIGTERM), ``determinism`` (``run.deterministic``,
-scoped to the run's work), ``init`` (a run that starts from a checkpoint's model and
-vocabulary: fine-tuning).
+The pieces: ``config`` (``TrainConfig``), ``tasks`` (what the run learns), ``build`` (the
+corpus, its stream of batches, the optimizer), ``step`` (one optimisation step),
+``schedule`` (learning rate), ``state`` (the components with their own state: counters,
+memory, RNG; Adam's moments without pickle), ``checkpoint_manager`` (``last`` / ``best``
+and resume, handed those components), ``evaluation`` (a language model's validation, final
+evaluation and sample), ``metrics`` (JSONL, TensorBoard, progress, ETA), ``objective``
+(which positions count), ``precision`` (bf16 compute weights), ``signals`` (SIGINT/SIGTERM),
+``determinism`` (``run.deterministic``, scoped to the run's work), ``init`` (a run that
+starts from a checkpoint's model and vocabulary: fine-tuning).
 
 Everything a step depends on is saved in ``last``: a run stopped after k steps and resumed
 to N ends with the same weights, bit for bit, as one that ran N steps (CPU, fp32,
@@ -58,43 +61,26 @@ from txlm import atomic, resources
 from txlm.checkpoints import checkpoint
 from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.checkpoints.convert import text_options
-from txlm.checkpoints.dataset import dataset_record
-from txlm.classify.classifier import Classifier, ClassifierConfig
 from txlm.config import ModelConfig
 from txlm.data.vocab import Vocab
 from txlm.devices import check_precision, resolve_device, wanted
 from txlm.errors import ConfigError, TrainingError
-from txlm.model import TransformerXL, align
+from txlm.model import TransformerXL
 from txlm.model.align import Stored
 from txlm.training import distributed as dist
 from txlm.training.averaging import WeightAverage, averaged
-from txlm.training.build import (
-    build_optimizer,
-    frozen_parameters,
-    open_training_corpus,
-    training_stream,
-    unknown_shares,
-)
+from txlm.training.build import build_optimizer, frozen_parameters
 from txlm.training.checkpoint_manager import CheckpointManager
 from txlm.training.config import TrainConfig
 from txlm.training.determinism import deterministic, threads
-from txlm.training.evaluation import evaluate_split, final_evaluation
 from txlm.training.init import check_same_model, init_record, load_init_weights, open_init
 from txlm.training.metrics import MetricsLog, ProgressReport, TrainLog, eta
-from txlm.training.objective import OBJECTIVES
 from txlm.training.precision import ComputeCopy, denormals_flushed
 from txlm.training.schedule import learning_rate
 from txlm.training.signals import StopSignals
 from txlm.training.state import RNG, Counters, Memory
-from txlm.training.step import (
-    StepStats,
-    Update,
-    forward_backward,
-    graphs_compiled,
-    tail_buckets,
-    token_scale,
-)
-from txlm.training.tasks.classify import ClassifyTask
+from txlm.training.step import StepStats, Update, forward_backward, graphs_compiled, token_scale
+from txlm.training.tasks import TASKS, Task
 
 __all__ = ["RESULTS_FILE", "StepStats", "Trainer", "graphs_compiled"]
 
@@ -139,29 +125,16 @@ class Trainer:
 
         self.init: dict[str, Any] | None = None  # a run started from a checkpoint: its record
         given_vocab, init_model = self._start_from(resume, world)
-        # task: classify: labelled documents (classes:DIR) in place of the token corpus
-        self.task = _classify_task(config, given_vocab, self.dist, self.echo)
-        if self.task is None:
-            lower_case = bool(self.init and self.init.get("text", {}).get("lower_case"))
-            self.corpus = open_training_corpus(
-                config, self.dist, echo=self.echo, vocab=given_vocab, lower_case=lower_case
-            )
-            self.vocab = self.corpus.vocab
-            self.unknown = unknown_shares(self.corpus) if self.init is not None else None
-            self.metric = self.corpus.metric
-        else:
-            self.vocab, self.metric = given_vocab, self.task.metric
-            self.unknown = self.task.unknown_shares()
+        # what the run learns (training.tasks): its data, batches, model, loss and evaluation
+        self.task: Task = TASKS[config.task](
+            config, given_vocab, self.dist, echo=self.echo,
+            lower_case=bool(self.init and self.init.get("text", {}).get("lower_case")),
+        )  # fmt: skip
+        self.vocab, self.unknown, self.metric = self.task.vocab, self.task.unknown, self.task.metric
         self.model_config: ModelConfig = config.model_config(len(self.vocab))
-        if self.task is None:
-            self.stream = training_stream(
-                self.corpus, config, self.model_config, self.dist, self.device
-            )
-        else:
-            self.stream = self.task.stream(self.model_config, self.dist, self.device)
+        self.stream = self.task.batches(self.model_config, self.dist, self.device)
         self._batches: Any = iter(())  # started lazily, after a resume has set the position
         self._check_resources(self.model_config, world)
-        self.objective = OBJECTIVES[config.optim.loss]
 
         # Model and optimizer. Every rank builds the same initial weights from the seed.
         torch.manual_seed(r.seed)
@@ -169,12 +142,8 @@ class Trainer:
         random.seed(r.seed)
         # stored padded where that pays, from the unpadded model: the same initial weights
         stored = Stored.aligned(self.model_config) if wanted(r.align_heads, self.device) else None
-        self.model: Any = (
-            align.padded(TransformerXL(self.model_config), stored)
-            if self.task is None
-            else self.task.build_model(self.model_config, stored)  # the body and a new head
-        )
-        body = self.model if self.task is None else self.model.body
+        self.model: Any = self.task.build_model(self.model_config, stored)
+        body = self.task.body(self.model)
         if init_model is not None:
             load_init_weights(body, init_model)
             del init_model
@@ -215,20 +184,7 @@ class Trainer:
             run_info={
                 "train": config.to_dict(),
                 "vocab_fingerprint": self.vocab.fingerprint,
-                **(
-                    {
-                        "dataset": dataset_record(
-                            config.data.dataset,
-                            self.corpus.path,
-                            level=self.corpus.level,
-                            metric=self.metric,
-                            given_vocab=given_vocab is not None,
-                            lower_case=lower_case,
-                        )
-                    }
-                    if self.task is None
-                    else self.task.run_info(self.model)  # task, labels, the split
-                ),
+                **self.task.run_info(self.model),  # its data; a classifier's labels
                 **({} if self.init is None else {"init": self.init}),
             },
             dist_info=self.dist,
@@ -237,15 +193,8 @@ class Trainer:
         if resume is not None:
             self.checkpoints.load(Path(resume))
 
-        # a classifier's forward loops over each batch's segments: eager (run.compile auto)
-        self.compiled = wanted(r.compile, self.device) and self.task is None
-        rows = config.data.batch_size // self.dist.world_size // config.optim.grad_accum
-        self.buckets = None
-        if self.task is None:
-            self.buckets = tail_buckets(
-                self.model, self.corpus.split("train"), self.device, self.compiled,
-                tokens=rows * self.model.config.tgt_len,
-            )  # fmt: skip
+        self.compiled = wanted(r.compile, self.device) and self.task.compiles
+        self.task.start(self.model, self.device, compiled=self.compiled)
         # bf16: forward and backward on a bf16 copy of the fp32 master weights (precision.py)
         self.compute = ComputeCopy(self.model, torch.bfloat16) if r.precision == "bf16" else None
         self.forward_model: Any = self.model if self.compute is None else self.compute.model
@@ -282,7 +231,7 @@ class Trainer:
         # Its size checked before its weights are read, and its weights read before the
         # corpus is prepared: a refused --init leaves nothing behind.
         self._check_resources(self.config.model_config(len(vocab)), world)
-        return vocab, ckpt.load_model(device="cpu", align_heads=False)
+        return vocab, ckpt.load_model(device="cpu", align_heads=False, task="lm")
 
     def _check_resources(self, model_config: ModelConfig, world: int) -> None:
         """Refuse a run whose step cannot fit, before its model is allocated: the frozen
@@ -290,9 +239,7 @@ class Trainer:
         frozen = 0
         if self.config.optim.freeze:
             with torch.device("meta"):
-                shape: Any = TransformerXL(model_config)
-                if self.config.task == "classify":  # its names: body.*, head.* (any 2 labels)
-                    shape = Classifier(shape, ClassifierConfig(("0", "1")))
+                shape = TASKS[self.config.task].shaped(TransformerXL(model_config))
             frozen = sum(p.numel() for p in frozen_parameters(shape, self.config.optim.freeze))
         resources.check_training(model_config, self.device, self.config, world, frozen=frozen)
 
@@ -353,29 +300,22 @@ class Trainer:
             self.memory.clear()  # an epoch starts every row afresh
         self.counters.schedule_step = self.schedule_step()
         lr = learning_rate(self.counters.schedule_step, c.optim)
-        labels = self.objective(batch.labels) if self.task is None else batch.labels
-        # N: the global batch's counted tokens; a classifier's: its documents
+        labels = self.task.labels(batch)
+        # N: the global batch's counted labels (a language model's tokens, a classifier's
+        # documents)
         n_global, scale = token_scale(labels, self.device, self.dist.world_size)
-        parts = None
-        if self.task is None:
-            loss_sum, parts = forward_backward(
-                self.forward_model, batch, labels, self.memory, scale=scale,
-                scaler=self.scaler, grad_accum=c.optim.grad_accum, precision=c.run.precision,
-                device=self.device, buckets=self.buckets,
-            )  # fmt: skip
-        else:
-            loss_sum = self.task.forward_backward(
-                self.forward_model, batch, scale=scale, scaler=self.scaler,
-                grad_accum=c.optim.grad_accum, precision=c.run.precision, device=self.device,
-            )  # fmt: skip
+        loss_sum, parts = forward_backward(
+            self.forward_model, self.task.loss, batch, labels, self.memory, scale=scale,
+            scaler=self.scaler, grad_accum=c.optim.grad_accum, precision=c.run.precision,
+            device=self.device,
+        )  # fmt: skip
         if self.compute is not None:
             self.compute.gradients_to_master()
         loss_global = dist.all_reduce_sum(loss_sum.reshape(1))[0] / n_global.clamp(min=1.0)
         grad_norm, finite = self.update(lr, torch.isfinite(loss_global))
         if self.compute is not None:
             self.compute.refresh()
-        if parts is not None:  # a classifier carries no memory from one batch to the next
-            self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
+        self.memory.update(parts, keep=finite)  # non-finite states must not feed the next
         self.counters.step += 1
         if self.average is not None:
             self.average.update(self.counters.step)
@@ -431,15 +371,7 @@ class Trainer:
         return dist.broadcast_object(result)
 
     def evaluate_split(self, model: Any, split: str, *, full: bool) -> dict[str, Any]:
-        if self.task is not None:  # every document of the split, whatever ``full``
-            return self.task.evaluate_split(model, split)
-        return evaluate_split(model, self.corpus, self.config, split, full=full, echo=self.echo)
-
-    def _metric_value(self, loss: float) -> float:
-        """The run's metric of a training loss."""
-        if self.task is not None:
-            return self.task.metric_value(loss)
-        return self.corpus.metric_value(loss, "train")
+        return self.task.evaluate_split(model, split, full=full)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, kind: str) -> None:
@@ -472,13 +404,13 @@ class Trainer:
             total=o.max_steps,
             initial=self.step,
             metric=self.metric,
-            to_metric=self._metric_value,
+            to_metric=self.task.metric_value,
             interval=r.progress_interval,
-            unit="tok" if self.task is None else "doc",  # a classifier's steps count documents
+            unit=self.task.unit,  # what a step counts: tokens, a classifier's documents
         )
         train_log = TrainLog(
             log, report, metric=self.metric,
-            to_metric=self._metric_value,
+            to_metric=self.task.metric_value,
             log_interval=r.log_interval, stop_at=stop_at,
         )  # fmt: skip
         self.signals.install()
@@ -506,7 +438,7 @@ class Trainer:
         model = c.preset if self.init is None else f"--init {self.init['path']}"
         print(
             f"txlm train: {model} on {c.data.dataset} "
-            f"({self.task.level if self.task else self.corpus.level} level, "
+            f"({self.task.level} level, "
             f"{len(self.vocab)} symbols), {count}, "
             f"{self.dist.world_size} process(es) on {self.device}, out {self.out}"
         )
@@ -535,15 +467,8 @@ class Trainer:
         if self.init is None or "valid" in self.init or self.step:
             return
         result = None
-        if self.dist.is_main and self.task is not None:
-            result = self.task.evaluate_split(
-                self.model, "valid", progress=self.echo, desc="init valid"
-            )
-        elif self.dist.is_main:
-            result = evaluate_split(
-                self.model, self.corpus, self.config, "valid", full=True,
-                echo=self.echo, desc="init valid",
-            )  # fmt: skip
+        if self.dist.is_main:
+            result = self.task.evaluate_split(self.model, "valid", full=True, desc="init valid")
         result = dist.broadcast_object(result)
         self.init["valid"] = result
         log.write(
@@ -556,17 +481,12 @@ class Trainer:
             }
         )
         if self.echo:
-            if "accuracy" in result:  # a classifier's: over documents
-                print(
-                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
-                    f"{result[self.metric]:.4f}, accuracy {result['accuracy']:.4f} over "
-                    f"{result['documents']} documents"
-                )
-            else:
-                print(
-                    f"init valid: loss {result['loss']:.4f}, {self.metric} "
-                    f"{result[self.metric]:.4f} over {result['tokens']} tokens"
-                )
+            more = "".join(f", {name} {result[name]:.4f}" for name in self.task.reported)
+            print(
+                f"init valid: loss {result['loss']:.4f}, {self.metric} "
+                f"{result[self.metric]:.4f}{more} over {result[self.task.counted]} "
+                f"{self.task.counted}"
+            )
 
     def _train(
         self, stop_at: int, log: MetricsLog, report: ProgressReport, train_log: TrainLog
@@ -683,15 +603,9 @@ class Trainer:
             )
         log.plot(self.out / "loss.png", self.metric)
         if finished and c.eval.final_eval and self.dist.is_main:
-            if self.task is not None:
-                final = self.task.final_evaluation(
-                    self.model, self.out, self.device, echo=self.echo
-                )
-            else:
-                final = final_evaluation(
-                    self.model, self.corpus, c, self.out, self.device, echo=self.echo
-                )
-            summary.update(final)
+            summary.update(
+                self.task.final_evaluation(self.model, self.out, self.device, echo=self.echo)
+            )
             if self.average is not None:
                 summary["average"] = self._average_summary()
         if self.dist.is_main:
@@ -734,14 +648,14 @@ class Trainer:
                 self.metric: result[self.metric],
                 "tokens": result["tokens"],
                 "tokens_per_s": result["tokens_per_s"],
-                **({} if self.task is None else {"accuracy": result["accuracy"]}),
+                **{name: result[name] for name in self.task.reported},
             }
         )
         if self.echo:
-            accuracy = "" if self.task is None else f", accuracy {result['accuracy']:.4f}"
+            more = "".join(f", {name} {result[name]:.4f}" for name in self.task.reported)
             report.message(
                 f"step {self.step}: valid loss {result['loss']:.4f}, "
-                f"{self.metric} {result[self.metric]:.4f}{accuracy}"
+                f"{self.metric} {result[self.metric]:.4f}{more}"
             )
         improved = self.best_valid is None or result["loss"] < self.best_valid
         if improved:
@@ -758,17 +672,6 @@ class _Session:
 
     steps: int = 0
     seconds: float = 0.0
-
-
-def _classify_task(
-    config: TrainConfig, vocab: Any, dist_info: dist.DistInfo, echo: bool
-) -> ClassifyTask | None:
-    """``task: classify``'s pieces (txlm.training.tasks.classify), None for a language model."""
-    if config.task != "classify":
-        return None
-    if vocab is None:
-        raise ConfigError("--task classify fine-tunes a language model: pass --init CKPT")
-    return ClassifyTask(config, vocab, dist_info, echo=echo)
 
 
 def _indent(text: str) -> str:

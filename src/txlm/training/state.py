@@ -17,7 +17,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -68,6 +68,14 @@ class Counters:
 
 
 # -- memory of the training rows -----------------------------------------------------------
+# Legend: c rows of a chunk, M memory length, D model dim.
+# What a chunk's forward carries to the next step: each layer's states [c, M, D] and which
+# positions are valid ([c, M] bool, None: all)
+Carry = tuple[list[Tensor], Tensor | None]
+# The memory a chunk's forward is given: as a Carry, or (None, None) before the first step
+MemoryChunk = tuple[list[Tensor] | None, Tensor | None]
+
+
 class Memory:
     """The per-row memory of this rank's ``rows`` training rows; empty (``mems`` None) until
     the first step and after an epoch starts. ``width``: D as the model stores it (a model
@@ -83,33 +91,35 @@ class Memory:
     def clear(self) -> None:
         self.mems, self.mask = None, None
 
-    def chunk(self, rows: slice) -> tuple[list[Tensor] | None, Tensor | None]:
+    def chunk(self, rows: slice) -> MemoryChunk:
         if self.mems is None:
             return None, None
         mask = None if self.mask is None else self.mask[rows]
         return [m[rows] for m in self.mems], mask
 
-    def update(
-        self, parts: list[tuple[list[Tensor], Tensor | None]], keep: Tensor | None = None
-    ) -> None:
+    def update(self, parts: list[Carry | None], keep: Tensor | None = None) -> None:
         """The memory of the step's gradient-accumulation chunks (mems, mask), concatenated
-        into rows. ``keep``: a 0-d bool on the device, false when the step was not finite;
-        its states are then replaced by zeros (and masked where a mask is carried), so that
-        no NaN feeds the next segment, without the host having to look. In place: the step's
-        backward is done, nothing else reads these tensors, and a copy would move the whole
-        memory once more every step."""
-        if len(parts) == 1:
-            mems, mask = parts[0]
+        into rows; chunks that carry none (None: a classifier's, each batch holding whole
+        documents) leave it empty. ``keep``: a 0-d bool on the device, false when the step was
+        not finite; its states are then replaced by zeros (and masked where a mask is
+        carried), so that no NaN feeds the next segment, without the host having to look. In
+        place: the step's backward is done, nothing else reads these tensors, and a copy
+        would move the whole memory once more every step."""
+        if any(part is None for part in parts):
+            return
+        carried = cast(list[Carry], parts)
+        if len(carried) == 1:
+            mems, mask = carried[0]
         else:
-            mems = [torch.cat(layer, dim=0) for layer in zip(*[m for m, _ in parts], strict=True)]
+            mems = [torch.cat(layer, dim=0) for layer in zip(*[m for m, _ in carried], strict=True)]
             mask = None
-            if any(part_mask is not None for _, part_mask in parts):
+            if any(part_mask is not None for _, part_mask in carried):
                 mask = torch.cat(  # a chunk without a mask has all positions valid
                     [
                         torch.ones(m[0].shape[:2], dtype=torch.bool, device=m[0].device)
                         if part_mask is None
                         else part_mask
-                        for m, part_mask in parts
+                        for m, part_mask in carried
                     ],
                     dim=0,
                 )

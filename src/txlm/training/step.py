@@ -1,5 +1,6 @@
-"""One optimisation step: forward and backward over the gradient-accumulation chunks, then
-the update (clipping, the finiteness check, Adam), all queued on the device (contract C37).
+"""One optimisation step: forward and backward over the gradient-accumulation chunks (each
+chunk's loss the task's, ``txlm.training.tasks``), then the update (clipping, the finiteness
+check, Adam), all queued on the device (contract C37).
 
 Legend: b rows of this rank, A gradient-accumulation chunks of c = b / A rows, W ranks,
 N counted tokens of the global batch.
@@ -30,7 +31,7 @@ hand-over between them are a handful of eager element-wise ops.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from torch import Tensor
 
 from txlm.devices import autocast
 from txlm.training import distributed as dist
-from txlm.training.state import Memory
+from txlm.training.state import Carry, Memory, MemoryChunk
 
 
 def graphs_compiled() -> int:
@@ -146,8 +147,13 @@ def token_scale(labels: Tensor, device: torch.device, world_size: int) -> tuple[
     return n_global, (world_size / n_global.clamp(min=1.0)).float()
 
 
+# (model, batch, labels, rows, the rows' memory) -> (summed loss, the chunk's new memory)
+ChunkLoss = Callable[[Any, Any, Tensor, slice, MemoryChunk], tuple[Tensor, Carry | None]]
+
+
 def forward_backward(
     model: Any,
+    loss_of: ChunkLoss,
     batch: Any,
     labels: Tensor,
     memory: Memory,
@@ -157,39 +163,28 @@ def forward_backward(
     grad_accum: int,
     precision: str,
     device: torch.device,
-    buckets: TailBuckets | None = None,
-) -> tuple[Tensor, list[tuple[list[Tensor], Tensor | None]]]:
-    """Forward and backward of each of the A chunks of the batch's rows, each with its rows'
-    memory, on sum(token losses) * ``scale``; gradients add up in ``.grad``. Returns this
-    rank's summed token loss (float64, detached) and each chunk's (new memory, its mask).
-    ``buckets``: the tail buckets' sizes from the chunk's labels on the host (None: the
-    softmax's own setting)."""
-    if buckets is not None and batch.host_labels is None:
-        raise ValueError("sized tail buckets need the batch's labels on the host")
+) -> tuple[Tensor, list[Carry | None]]:
+    """Forward and backward of each of the A chunks of the batch's rows (``loss_of``: the
+    task's loss of the chunk, with its rows' memory) on loss * ``scale``; gradients add up
+    in ``.grad``. Returns this rank's summed loss (float64, detached) and what each chunk
+    carries to the next step (its new memory and mask; None: nothing)."""
     per = labels.size(0) // grad_accum
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    parts: list[tuple[list[Tensor], Tensor | None]] = []
+    parts: list[Carry | None] = []
     for i in range(grad_accum):
         rows = slice(i * per, (i + 1) * per)
-        mems, mask = memory.chunk(rows)
-        reset = None if batch.reset is None else batch.reset[rows]
         # DDP: only the last chunk's backward reduces the gradients across ranks
         sync = (
             model.no_sync()
             if i < grad_accum - 1 and hasattr(model, "no_sync")
             else contextlib.nullcontext()
         )
-        sizes = None if buckets is None else buckets(batch.host_labels[rows])
         with sync:
             with autocast(device, precision):
-                out = model(
-                    batch.input_ids[rows], mems=mems, reset=reset, labels=labels[rows],
-                    mem_mask=mask, bucket_sizes=sizes,
-                )  # fmt: skip
-                loss = out.losses.float().sum()
+                loss, carry = loss_of(model, batch, labels, rows, memory.chunk(rows))
             scaler.scale(loss * scale).backward()
         loss_sum += loss.detach().to(device, torch.float64)
-        parts.append((out.mems, out.mem_mask))
+        parts.append(carry)
     return loss_sum, parts
 
 

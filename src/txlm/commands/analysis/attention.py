@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     device = common.setup(args)
     ckpt = Checkpoint.open(args.checkpoint)
-    model = ckpt.load_model(device)
+    model = ckpt.load_model(device, task="lm")
     c = model.config
     tokens = common.read_tokens(args, ckpt, args.tokens)
     maps = am.attention_maps(

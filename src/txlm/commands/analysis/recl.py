@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     losses = []
     with bar:
         for i, ckpt in enumerate(checkpoints):
-            model = ckpt.load_model(device)
+            model = ckpt.load_model(device, task="lm")
             losses.append(
                 recl.token_losses(
                     model, tokens, contexts, targets, batch_size=args.batch_size,
