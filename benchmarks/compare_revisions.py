@@ -60,10 +60,34 @@ def import_old(src: Path, into: Path):
         text = re.sub(r"\bfrom txlm import\b", "from txlm_old import", text)
         f.write_text(text)
     sys.path.insert(0, str(into))
-    return {name: importlib.import_module(f"txlm_old.{name}") for name in MODULES}
+    return modules("txlm_old")
 
 
-MODULES = ("config", "model", "generate", "model.kv_eval", "convert")
+# each module the workloads use, where the package layout has it (newest first)
+MODULES = {
+    "config": ("config",),
+    "model": ("model",),
+    "generate": ("inference.generate", "generate"),
+    "model.kv_eval": ("inference.kv_eval", "model.kv_eval"),
+    "convert": ("checkpoints.convert", "convert"),
+}
+
+
+def modules(package: str) -> dict:
+    """MODULES of ``package`` (txlm or txlm_old), whichever layout it has."""
+    found = {}
+    for name, places in MODULES.items():
+        for place in places:
+            try:
+                found[name] = importlib.import_module(f"{package}.{place}")
+                break
+            except ModuleNotFoundError:
+                continue
+        else:
+            raise ImportError(f"{package} has no {name} module")
+    return found
+
+
 # the HF-converted anchor of bench_hf_baseline.py: a full 10k softmax, no cutoffs
 CALL_SHAPE = {**SHAPE, "vocab_size": 10000}
 
@@ -255,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     global clock
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
-    new_mods = {name: importlib.import_module(f"txlm.{name}") for name in MODULES}
+    new_mods = modules("txlm")
     with tempfile.TemporaryDirectory() as tmp:
         old_mods = import_old(args.old, Path(tmp))
         torch.manual_seed(0)

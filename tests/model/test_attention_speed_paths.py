@@ -1,8 +1,8 @@
 """The optimised attention paths compute the paper's scores: fewer passes, same numbers.
 
-- ``_bias`` + ``_scores`` (scale on the queries, additive mask, baddbmm) equal the textbook sum of
-  ``score_terms`` scaled and masked, for the shared and the per-row mask, with and without
-  a position term;
+- ``_bias`` + ``_scores`` (scale on the queries, additive mask, baddbmm) equal the textbook sum
+  of the score terms (a)+(c) and the shifted (b)+(d), scaled and masked, for the shared and
+  the per-row mask, with and without a position term;
 - the "sdpa" and "math" implementations give the same outputs and the same gradients in
   training (dropatt = 0), and "sdpa" falls back to "math" exactly where the CPU kernel has no
   bias backward;
@@ -19,7 +19,7 @@ import torch
 
 from tests.helpers.models import debug_model
 from txlm.config import ModelConfig
-from txlm.model.attention import RelativeAttention
+from txlm.model.attention import RelativeAttention, rel_shift
 
 ATOL = 1e-10
 
@@ -36,8 +36,9 @@ make_model = functools.partial(debug_model, dropout=0.0, dropatt=0.0)
 
 
 def reference_scores(attn, q, k, rk, mask, u, v):
-    content, position = attn.score_terms(q, k, rk, u, v)
-    scores = content if position is None else content + position
+    scores = (q + u[:, None, :]) @ k.transpose(-1, -2)  # (a) + (c)
+    if rk is not None:  # (b) + (d), per distance, then per pair
+        scores = scores + rel_shift((q + v[:, None, :]) @ rk.transpose(-1, -2))
     return (scores * attn.scale).masked_fill(~mask, float("-inf"))
 
 
