@@ -50,6 +50,17 @@ GREEDY = SamplingConfig(greedy=True)
 ENTRY = {"fp32": 4, "compiled": 4, "bf16": 2, "int8": 1}  # bytes a weight entry
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def best(fn, reps: int, rounds: int = 5) -> float:
     """Seconds per call, best of ``rounds`` rounds of ``reps`` calls."""
     fn()
@@ -155,7 +166,7 @@ def run(args: argparse.Namespace) -> dict:
             print(row, flush=True)
     return {
         "date": time.strftime("%Y-%m-%d"),
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "threads": args.threads,
