@@ -56,10 +56,11 @@ def check_precision(precision: str, device: torch.device) -> None:
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Mixed precision: bf16 autocast on CPU and GPU, fp16 on GPU; fp32 runs plain."""
+    """Mixed precision: bf16 autocast on CPU and GPU, fp16 on GPU; fp32 runs plain, and so
+    does int8 (weight-only int8 layers: txlm.inference.precision)."""
     import torch
 
-    if precision == "fp32":
+    if precision in ("fp32", "int8"):
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
     return torch.autocast(device_type=device.type, dtype=dtype)

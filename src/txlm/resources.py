@@ -170,8 +170,8 @@ def read_bounded(path: str | Path, limit: int) -> bytes:
 
 def element_bytes(precision: str) -> int:
     """Bytes per activation element: 2 under bf16/fp16 autocast (a lower bound: some stay
-    float32), else 4."""
-    return 4 if precision == "fp32" else 2
+    float32), else 4 (int8 quantises weights only)."""
+    return 4 if precision in ("fp32", "int8") else 2
 
 
 def parameter_count(c: ModelConfig) -> int:

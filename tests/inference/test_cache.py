@@ -131,7 +131,8 @@ def test_every_query_length_runs_the_one_attention_forward(monkeypatch) -> None:
     real = RelativeAttention.forward
 
     def counted(self, h, *args, **kwargs):
-        qlens.append(1 if h.dim() == 2 else h.size(1))  # rows [B, D]: one query per row
+        assert h.dim() == 3  # [B, L, D] at every query length
+        qlens.append(h.size(1))
         return real(self, h, *args, **kwargs)
 
     monkeypatch.setattr(RelativeAttention, "forward", counted)
@@ -161,7 +162,7 @@ def test_bf16_decoder_follows_the_reference(name: str) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         dec = Decoder(model)
         got = _decode(dec, prompt, cont)
-    assert dec.weights[0].qkv_t.dtype == torch.bfloat16
+    assert dec.net.layers[0].attn.qkv.weight_t.dtype == torch.bfloat16
     assert dec.cache.kv.dtype == torch.float32
     assert model.layers[0].attn.qkv.weight.dtype == torch.float32  # the model is unchanged
     ref = reference_log_probs(model, prompt, cont)
@@ -307,7 +308,7 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
             with casts if i == 20 else contextlib.nullcontext():
                 rows.append(dec.step(torch.tensor([tok]))[0])
     got = torch.stack(rows)
-    assert dec.weights[0].qkv_t.dtype == torch.bfloat16  # a bf16 copy, made once
+    assert dec.net.layers[0].attn.qkv.weight_t.dtype == torch.bfloat16  # a bf16 copy, made once
     assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
     layer = model.layers[0]
     linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)

@@ -13,6 +13,7 @@ per-token ``nll`` hold it.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -86,7 +87,8 @@ def test_log_probs_of_a_hand_set_adaptive_softmax(div_val: int) -> None:
     torch.testing.assert_close(sm.log_prob(hidden), want, rtol=1e-12, atol=1e-12)
     # as a decoder computes it: the head's weight joined with the cluster rows, one product
     w, b, _ = sm._weights(0)
-    joined = (torch.cat([w, sm.cluster_weight]), torch.cat([b, sm.cluster_bias]))
+    weight, bias = torch.cat([w, sm.cluster_weight]), torch.cat([b, sm.cluster_bias])
+    joined = functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
     torch.testing.assert_close(sm.log_prob(hidden, head=joined), want, rtol=1e-12, atol=1e-12)
     targets = torch.tensor([[0, 3, 5], [1, 2, 4], [4, -100, 3]])
     for row in targets:

@@ -1,8 +1,8 @@
 """The optimised attention paths compute the paper's scores: fewer passes, same numbers.
 
-- ``_bias`` + ``_scores`` (scale on the queries, additive mask, baddbmm) equal the textbook sum of
-  the score terms (a)+(c) and the shifted (b)+(d), scaled and masked, for the shared and the
-  per-row mask, with and without a position term;
+- ``_bias`` + ``_scores`` (scale on the queries, additive mask, baddbmm) equal the textbook sum
+  of the score terms (a)+(c) and the shifted (b)+(d), scaled and masked, for the shared and
+  the per-row mask, with and without a position term;
 - the "sdpa" and "math" implementations give the same outputs and the same gradients in
   training (dropatt = 0), and "sdpa" falls back to "math" exactly where the CPU kernel has no
   bias backward;
@@ -36,9 +36,8 @@ make_model = functools.partial(debug_model, dropout=0.0, dropatt=0.0)
 
 
 def reference_scores(attn, q, k, rk, mask, u, v):
-    """The paper's sum, term by term: content (a)+(c), shifted position (b)+(d)."""
-    scores = (q + u[:, None, :]) @ k.transpose(-1, -2)
-    if rk is not None:
+    scores = (q + u[:, None, :]) @ k.transpose(-1, -2)  # (a) + (c)
+    if rk is not None:  # (b) + (d), per distance, then per pair
         scores = scores + rel_shift((q + v[:, None, :]) @ rk.transpose(-1, -2))
     return (scores * attn.scale).masked_fill(~mask, float("-inf"))
 

@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
-        stop_id=stop, compile=args.compile, lengths=lengths,
+        stop_id=stop, compile=args.compile, lengths=lengths, int8=args.precision == "int8",
     )  # fmt: skip
     with autocast(device, args.precision):  # the generator runs inside: each step too
         for t, tokens in enumerate(steps):

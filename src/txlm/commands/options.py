@@ -31,8 +31,10 @@ def add_device_options(
         p.add_argument(
             "--precision",
             default="fp32",
-            choices=["fp32", "bf16", "fp16"],
-            help="autocast for the matmuls (fp16: GPU only); default fp32",
+            choices=["fp32", "bf16", "fp16", "int8"],
+            help="bf16 | fp16: autocast for the matmuls (fp16: GPU only; a bf16 decoder holds "
+            "its layers' weights in bf16); int8: the layers' and the output head's weights "
+            "quantised to int8 (weight-only, per row), through the K/V cache; default fp32",
         )
     threads_help = "torch CPU threads" + ("; sets run.threads" if in_config else "")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=threads_help)

@@ -40,12 +40,13 @@ import types
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from txlm.errors import ConfigError
+from txlm.inference.precision import narrow_linear, narrowed
+from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
 from txlm.model.cache import KVCache
-from txlm.model.layout import one_row_layout
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXL
@@ -63,8 +64,8 @@ class Decoder:
 
     ``prefill`` reads the prompts in segments of up to tgt_len through a cache of mem_len +
     tgt_len slots; then the cache is narrowed to mem_len + 1 slots and every new token is a
-    one-token step over it: the same layers' forward on weights laid out once for one-row
-    products (txlm.model.layout), then the model's adaptive softmax.
+    one-token step over it: the model's own forward (its layers called as modules, so their
+    hooks fire), then the model's adaptive softmax.
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
@@ -83,10 +84,10 @@ class Decoder:
 
     ``dtype``: the weight products' dtype, fixed here: autocast's when it is on for the
     model's device as the decoder is made (and the weights are float32), else the weights'.
-    A half-precision decoder holds its own copies of the layers' projections and the output
-    layer in that dtype (made once; the model is not copied or changed); on a CPU its cache
-    and the attention over it stay float32 (half-precision matrix-vector products are
-    slower there). The model runs in eval mode during each call and returns to its mode.
+    A bf16 decoder runs ``txlm.inference.precision.narrowed(model, "bf16")``, the model with
+    its layers' projections held in bf16 (made once; the model is not copied or changed), and
+    its own copy of the output layer in that dtype; on a CPU its cache and the attention over
+    it stay float32. The model runs in eval mode during each call and returns to its mode.
     """
 
     def __init__(
@@ -98,6 +99,7 @@ class Decoder:
         compile: bool | str | Callable = False,
         cuda_graph: bool | None = None,
         dtype: torch.dtype | None = None,
+        int8: bool = False,
     ) -> None:
         self.model = model
         self.lengths = model.lengths if lengths is None else lengths
@@ -121,9 +123,16 @@ class Decoder:
         self.cuda_graph = cache and graph
         self.static = bool(self.compile) or self.cuda_graph
         self.score_dtype = torch.float32 if half else dtype  # the output layer's (upcast)
+        # what the cached calls run: the model, or it with its projections in bf16 or int8
+        precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+        if int8:
+            if dtype != torch.float32 or not cache:
+                raise ConfigError("an int8 decoder runs a float32 model with its cache")
+            precision = "int8"
+        self.precision = precision
+        self.net = narrowed(model, precision) if cache else model  # (for one decoder's life)
         softmax = model.softmax
         with torch.no_grad():
-            self.weights = model.step_weights(dtype, self.cache_dtype) if cache else None
             if dtype != self.weight_dtype:  # the output layer's own copy in the decoder's dtype
                 softmax = copy.deepcopy(softmax).to(dtype)
             self.softmax = softmax
@@ -132,7 +141,10 @@ class Decoder:
             if softmax.n_clusters:
                 weight = torch.cat([weight, softmax.cluster_weight])
                 bias = torch.cat([bias, softmax.cluster_bias])
-            self.head = (one_row_layout(weight, dtype).t(), bias.detach().to(dtype))
+            head = nn.Linear(weight.size(1), weight.size(0), device=self.device, dtype=dtype)
+            head.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
+            head.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+            self.head = narrow_linear(head, "int8") if int8 else head
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
         self.mem_mask: Tensor | None = None
@@ -213,7 +225,7 @@ class Decoder:
 
         self.mems, self.mem_mask = None, None
         if self.cached:
-            self.cache = self.model.new_cache(
+            self.cache = self.net.new_cache(
                 batch, lengths=self.lengths, dtype=self.cache_dtype, static=self.static
             )
             self._steps.clear()
@@ -234,21 +246,13 @@ class Decoder:
         return bounds
 
     def _segment(self, ids: Tensor, reset: Tensor | None) -> Tensor:
-        """Read one segment [B, L] through the memory; hidden states [B, L, D]. Cached, the
-        modules run under autocast in the decoder's dtype when it differs from the
-        weights', else with autocast off (whatever the caller's)."""
+        """Read one segment [B, L] through the memory; hidden states [B, L, D]."""
         if not self.cached:
             hidden, self.mems, self.mem_mask = self.model.transform(
                 ids, self.mems, reset, self.mem_mask, lengths=self.lengths
             )
             return hidden
-        device = self.device.type
-        if self.dtype != self.weight_dtype:
-            autocast = torch.autocast(device, dtype=self.dtype)
-        else:
-            autocast = torch.autocast(device, enabled=False)
-        with autocast:
-            hidden, _, _ = self.model.transform(ids, None, reset, None, cache=self.cache)
+        hidden, _, _ = self.net.transform(ids, None, reset, None, cache=self.cache)
         return hidden
 
     # -- one token ----------------------------------------------------------------------
@@ -293,9 +297,10 @@ class Decoder:
         if not self.cached:
             hidden = self._segment(ids.view(-1, 1), None)
         else:
-            hidden, _, _ = self.model.transform(
-                ids.view(-1, 1), cache=self.cache, weights=self.weights
-            )
+            # traced for one row: the layers' products as reductions the compiler fuses
+            one_row = torch.compiler.is_compiling() and ids.numel() == 1
+            with products_as_reductions() if one_row else contextlib.nullcontext():
+                hidden, _, _ = self.net.transform(ids.view(-1, 1), cache=self.cache)
         return self._output(hidden[:, -1], sampling, noise)
 
     def _call(self, fn: Callable[[], Tensor]) -> Tensor:
@@ -306,13 +311,13 @@ class Decoder:
         explicitly, the result copied out, an ordinary tensor; without a cache under no_grad
         (its memory: ordinary tensors) and the caller's autocast."""
         if not self.cached:
-            with evaluating(self.model), torch.no_grad():
+            with evaluating(self.net), torch.no_grad():
                 return fn()
         device = self.device.type
         off = contextlib.nullcontext()
         if torch.is_autocast_enabled(device):  # (making the context costs a step)
             off = torch.autocast(device, enabled=False)
-        with evaluating(self.model), torch.inference_mode(), off:
+        with evaluating(self.net), torch.inference_mode(), off:
             out = fn()
         return out.clone()
 

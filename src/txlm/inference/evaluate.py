@@ -32,6 +32,7 @@ from torch import Tensor
 from txlm.data import metrics as _metrics
 from txlm.devices import autocast
 from txlm.inference.kv_eval import CachedEvaluator
+from txlm.inference.precision import narrowed
 from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
@@ -114,6 +115,8 @@ def stream_segments(
     Each segment runs in eval mode without autograd, and the model is back in its mode
     before the segment is handed out: nothing stays changed while the caller holds it.
     ``kv_cache``: keep the memory's projected keys and values (``CachedEvaluator``).
+    ``precision``: "fp32"; "bf16" or "fp16" (autocast); "int8" (the layers' weights in int8,
+    through the cache: txlm.inference.precision).
     ``compile``: run the segments under ``torch.compile`` (static shapes: the first segment,
     without memory, and a shorter last one add a graph).
     ``step``: a replacement for the model call (e.g. one that also collects attention),
@@ -135,7 +138,7 @@ def stream_segments(
     if max_segments is not None:
         n_segments = min(n_segments, max_segments)
     if step is None:
-        step = _model_step(model, lengths, kv_cache, compile)
+        step = _model_step(model, lengths, kv_cache or precision == "int8", compile, precision)
     done = 0
     for index in range(n_segments):
         lo = index * seg_len
@@ -149,11 +152,15 @@ def stream_segments(
         done = seen
 
 
-def _model_step(model: TransformerXL, lengths: Lengths, kv_cache: bool, compile: bool) -> Step:
+def _model_step(
+    model: TransformerXL, lengths: Lengths, kv_cache: bool, compile: bool, precision: str
+) -> Step:
     """The model call of ``stream_segments``: the key/value cache (the memory its keys and
-    values), or a plain forward carrying the hidden-state memory."""
+    values; int8: over the model with int8 layers, txlm.inference.precision), or a plain
+    forward carrying the hidden-state memory."""
     if kv_cache:
-        return CachedEvaluator(model, lengths=lengths, compile=compile)
+        net = narrowed(model, "int8") if precision == "int8" else model
+        return CachedEvaluator(net, lengths=lengths, compile=compile)
     forward = torch.compile(model, dynamic=False) if compile else model
     mems: list[Tensor] | None = None
     mem_mask: Tensor | None = None

@@ -108,6 +108,7 @@ def stream(
     stop_id: int | None = None,
     compile: bool | str = False,
     lengths: Lengths | None = None,
+    int8: bool = False,
 ) -> Iterator[Tensor]:
     """Yield the new tokens one step at a time: [B] ids per step, B = prompts x num_samples
     (prompt-major: the samples of prompt 0 first).
@@ -121,6 +122,8 @@ def stream(
     ``compile``: run the decoding step under ``torch.compile`` (see
     ``txlm.inference.decode.Decoder``).
     ``lengths``: the attention lengths to decode with (None: the model's).
+    ``int8``: the decoder's layers and output head with int8 weights (weight-only, per row:
+    txlm.inference.precision).
     The model is left as it is: each decoder call runs it in eval mode and puts it back
     (nothing is held changed across a ``yield``); the decoder's dtype is autocast's when
     it is on as the first step is taken (txlm.inference.decode.Decoder).
@@ -141,7 +144,7 @@ def stream(
         )
     if len(sampling.ban) >= vocab:
         raise ConfigError("every token of the vocabulary is banned")
-    decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile)
+    decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile, int8=int8)
     generators = generator
     if generators is None:
         generators = _generators(seed, len(rows), num_samples, decoder.device)
@@ -198,6 +201,7 @@ def generate(
     stop_id: int | None = None,
     compile: bool | str = False,
     lengths: Lengths | None = None,
+    int8: bool = False,
 ) -> list[list[int]]:
     """Sample continuations; returns the new ids only, one list per row: prompts x samples,
     prompt-major (the samples of prompt 0 first). One prompt (a list of ids or a 1-D tensor)
@@ -230,7 +234,7 @@ def generate(
     steps = stream(
         model, rows, max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
         num_samples=num_samples, start_id=start_id, use_cache=use_cache, stop_id=stop_id,
-        compile=compile, lengths=lengths,
+        compile=compile, lengths=lengths, int8=int8,
     )  # fmt: skip
     for tokens in steps:
         done = [end.push(tid) for end, tid in zip(ends, tokens.tolist(), strict=True)]

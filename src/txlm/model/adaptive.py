@@ -179,7 +179,7 @@ class AdaptiveLogSoftmax(nn.Module):
         hidden: Tensor,
         need: Callable[[Tensor], Tensor] | None = None,
         *,
-        head: tuple[Tensor, Tensor] | None = None,
+        head: Callable[[Tensor], Tensor] | None = None,
         host_branch: bool = True,
         normalise: bool = True,
     ) -> Tensor:
@@ -197,8 +197,9 @@ class AdaptiveLogSoftmax(nn.Module):
         the spread ones chosen by ``torch.where``, and for one row a cluster no row needs
         has each of its outputs read the weight's first row (a reduction with an indexed
         load, fused by a compiler: a row's bytes, not the weight's), so one graph,
-        capturable. ``head``: the head's weight [shortlist + C, E] and bias, the shortlist
-        rows then the cluster rows (a decoder's copy, joined once: one product, not two).
+        capturable. ``head``: the head's product (a module: its weight [shortlist + C, E] and
+        bias, the shortlist rows then the cluster rows, joined once by a decoder: one product,
+        not two; in its dtype or quantised) on the projected hidden states.
         ``normalise=False``: what a draw needs, log-probabilities up to a constant per row (a
         draw renormalises): a full softmax's logits as they are.
         """
@@ -206,7 +207,7 @@ class AdaptiveLogSoftmax(nn.Module):
             head_lp = self._head_log_probs(hidden)
         else:
             proj = self.projs[0] if len(self.projs) else None
-            logits = upcast(self._logits(hidden, *head, proj))
+            logits = upcast(head(hidden if proj is None else hidden @ proj))
             if not self.n_clusters and not normalise:
                 return logits
             head_lp = F.log_softmax(logits, dim=-1)

@@ -29,7 +29,6 @@ from txlm.config import ModelConfig
 from txlm.model.align import Stored
 from txlm.model.cache import CacheStep
 from txlm.model.dropout import Dropout, dropout
-from txlm.model.layout import StepWeights
 
 _NO_EXTRAS: Mapping[str, Tensor] = MappingProxyType({})  # what a forward returns by default
 _HALF = (torch.float16, torch.bfloat16)  # dtypes normalised in float32
@@ -66,11 +65,9 @@ def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
     """LayerNorm over the last dim, or over its first ``weight.size(0)`` (the real model dim
-    of a residual stream stored wider, txlm.model.align.Stored), zeros after: a module's operation
-    without the module call, on its parameters or on them as a decoder holds them
-    (txlm.model.layout). Half-precision activations under autocast stay half (autocast would
-    return float32); the kernel keeps its statistics in float32 and reads float32 weights as
-    they are."""
+    of a residual stream stored wider, txlm.model.align.Stored), zeros after. Half-precision
+    activations under autocast stay half (autocast would return float32); the kernel keeps
+    its statistics in float32 and reads float32 weights as they are."""
     if x.dtype in _HALF and torch.is_autocast_enabled(x.device.type):
         with torch.autocast(x.device.type, enabled=False):
             return layer_norm(x, weight, bias, eps)
@@ -83,21 +80,6 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 def _args(norm: nn.LayerNorm) -> tuple[Tensor, Tensor, float]:
     """A LayerNorm module's (weight, bias, eps), as ``layer_norm`` takes them."""
     return norm.weight, norm.bias, norm.eps
-
-
-def matmul(a: Tensor, b: Tensor, rows: bool = False) -> Tensor:
-    """``a @ b`` (a [..., N, K], b [..., K, M], broadcast as matmul does). ``rows``: the
-    product written as a broadcast multiply and a sum over K, the form a decoding step takes
-    when it is traced for one row (``CacheStep.fused``).
-
-    The compiler then fuses each product with the operations around it into one generated
-    kernel (a library matrix product is a kernel of its own, with another for what follows
-    it); for one row a product only streams its operand, so a fused reduction reads the same
-    bytes. Eagerly, and for several rows (where a library product reuses each weight across
-    rows), it is the library product."""
-    if rows:
-        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
-    return a @ b
 
 
 def additive_mask(mask: Tensor, dtype: torch.dtype) -> Tensor:
@@ -196,18 +178,11 @@ class RelativeAttention(nn.Module):
         idx = pos.long().clamp(0, self.r_emb.size(0) - 1)
         return self.r_emb[idx].transpose(0, 1)
 
-    def _scores(
-        self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool, rows: bool = False
-    ) -> Tensor:
+    def _scores(self, qc: Tensor, k: Tensor, bias: Tensor | None, fresh: bool) -> Tensor:
         """Scaled scores [B H, L, K] = scale * qc . k + bias, in one pass over the
         [B, H, L, K] buffer (it dominates the memory traffic): the content matmul accumulates
         onto the bias (baddbmm, beta = 1, alpha = scale). In place when the bias is ``fresh``
-        (a sum nothing else references) and not a view autograd would have to copy for it.
-        ``rows``: one query of one row, traced (``matmul``): the product as a reduction with
-        the bias added, which the compiler fuses into one loop; those stay [B, H, 1, K]."""
-        if rows:
-            scores = matmul(qc, k.transpose(-1, -2), True) * self.scale
-            return scores if bias is None else scores + bias
+        (a sum nothing else references) and not a view autograd would have to copy for it."""
         qc, kt = qc.flatten(0, 1), k.transpose(-1, -2).flatten(0, 1)  # [B H, L, Dh], [B H, Dh, K]
         if bias is None:  # nothing to add (an unmasked step of an absolute encoding)
             return torch.bmm(qc, kt).mul_(self.scale)
@@ -227,7 +202,6 @@ class RelativeAttention(nn.Module):
         mask: Tensor | None,
         v: Tensor | None,
         cache: CacheStep | None,
-        rows: bool = False,
     ) -> tuple[Tensor | None, bool]:
         """The additive bias: the scaled position scores (b)+(d) plus the mask as 0 / -inf,
         and whether it is a fresh tensor (see ``_scores``). It is [B H, L, K] for a shared
@@ -236,9 +210,7 @@ class RelativeAttention(nn.Module):
         (q + v) . r is computed once per distance, then laid out per pair: by the relative
         shift (a view) for [memory; segment] keys, by the cache's distance index for its
         ring of slots (or not at all: an eager step's keys come in slot order). The scale
-        goes onto the queries ([B, H, L, Dh], K/Dh times smaller). ``rows`` (one traced
-        query, see ``_scores``): the cache's keys are gathered per slot first, so that the
-        gather is an indexed load inside the product's reduction.
+        goes onto the queries ([B, H, L, Dh], K/Dh times smaller).
         """
         mask_bias = None
         if mask is not None:
@@ -247,29 +219,24 @@ class RelativeAttention(nn.Module):
         if rk is None:
             return mask_bias, False
         qp = _as(q if v is None else q + v, rk.dtype)
-        if cache is None:  # from [B, H, L, K+1] (or wider, see _key_padding)
-            klen = rk.size(1) - 1 if mask is None else mask.size(-1)
-            pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
-        elif rows:  # the cache's position keys are scaled already (position_table)
-            if cache.index is not None:  # per distance -> per slot
-                rk = rk.index_select(1, cache.index[0])
-            pairs = matmul(qp, rk.transpose(-1, -2), True)  # [B, H, 1, W]
-            return (pairs if mask_bias is None else pairs + mask_bias), True
-        else:
-            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order);
-            # inference: a fresh [B, H, L, S] bias that _scores merges (B, H) of
+        if cache is not None:
+            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order),
+            # scaled already (TransformerXL.position_table); a fresh [B, H, L, S] bias
             batch, heads, qlen, d_head = qp.shape
             qp = qp.transpose(0, 1).reshape(heads, batch * qlen, d_head)
-            pairs = torch.bmm(qp, rk.transpose(1, 2))  # [H, B L, S or W]
+            pairs = torch.bmm(qp, rk.transpose(1, 2))
             if batch > 1:  # one row's [H, L, ·] is the [B H, L, ·] _scores takes already
                 pairs = pairs.view(heads, batch, qlen, -1).transpose(0, 1)
             if cache.index is not None:  # per distance -> per slot
                 pairs = pairs.gather(-1, cache.index.expand(*pairs.shape[:-2], -1, -1))
             return (pairs if mask_bias is None else pairs + mask_bias), True
+        # from [B, H, L, K+1] (or wider, see _key_padding)
+        klen = rk.size(1) - 1 if mask is None else mask.size(-1)
+        pairs = rel_shift((qp * self.scale) @ rk.transpose(-1, -2), klen)
         if mask_bias is None or mask_bias.dim() == 2:  # merging (B, H) is a view
             batch, heads, qlen, klen = pairs.shape
             pairs = pairs.reshape(batch * heads, qlen, klen)
-            # the sum is a new 3-D tensor; the cache's slot-ordered scores are one already
+            # the sum is a new 3-D tensor
             return (pairs, True) if mask_bias is None else (pairs + mask_bias, True)
         return pairs + mask_bias, True
 
@@ -284,37 +251,26 @@ class RelativeAttention(nn.Module):
         v: Tensor | None = None,
         *,
         cache: CacheStep | None = None,
-        weights: StepWeights | None = None,
         return_probs: bool = False,
     ) -> tuple[Tensor, Mapping[str, Tensor]]:
         """h [B, L, D] current inputs, mem [B, M, D] (layer inputs of earlier positions), for
-        every L: a training or evaluation segment, a prompt's segment or one decoded token;
-        over a cache also rows [B, D], one query per row (a decoding step's residual stream,
-        taken and returned as it is).
+        every L: a training or evaluation segment, a prompt's segment or one decoded token.
 
         mask: True (or 0.0) where attention is allowed, [L, K] or [B, 1, L, K]; float masks
             are additive (0 / -inf). None: every key is visible.
         pos: R [K+1, D] for "xl", distances [K+1] for "shaw", None for absolute encodings.
+        u, v: the model's shared position biases [H, 1, Dh] ("xl" without untie_r).
         cache: inference only, this segment's step of a ``KVCache`` (txlm.model.cache). It
             stores this segment's keys and values and supplies the keys, values and position
             keys of its slots (K = S or the W written ones), their distance index, and the
             mask (``mem``, ``mask`` and ``pos`` are not used).
-        weights: this layer's weights as a decoder holds them (txlm.model.layout: laid out
-            for one-row products, in the decoder's dtype; inputs are cast to it); None: the
-            parameters. A one-row query traced by torch.compile (``cache.fused``) writes its
-            products as reductions (``matmul``), which the compiler fuses with the cache
-            write, mask, softmax, residual and LayerNorm (ARCHITECTURE.md, C35).
-        Returns (output shaped as h, extras) with "probs" [B, H, L, K] on request.
+        Returns (output [B, L, D], extras) with "probs" [B, H, L, K] on request.
         """
-        w = weights
-        if w is None:  # the position biases as [H, 1, Dh], broadcast over the queries
-            norm, (u, v) = _args(self.norm), self._position_biases(u, v)
-        else:
-            norm, u, v = w.norm1, w.u, w.v
+        norm, (u, v) = _args(self.norm), self._position_biases(u, v)
         x = layer_norm(h, *norm) if self.pre_lnorm else h
-        rows, front = False, 0
+        front = 0
         if cache is not None:
-            mask, rows = cache.mask, cache.fused  # one traced query: products as reductions
+            mask = cache.mask
         elif self.key_multiple > 1 and mask is not None and not return_probs:
             # aligned keys for [memory; segment] (see _key_padding), with the probabilities
             # over the real keys only when they are asked for
@@ -324,8 +280,7 @@ class RelativeAttention(nn.Module):
             mask = F.pad(mask, (front, 0), value=value)
             if pos is not None:  # R [K+1, D] rows or distances [K+1]: for masked pairs only
                 pos = F.pad(pos, (0, 0, front, back) if pos.dim() == 2 else (front, back))
-        q, k, val = self._project(x, mem, cache, front, w, rows)
-        batch, qlen = q.size(0), q.size(2)
+        q, k, val = self._project(x, mem, cache, front)
 
         if cache is not None:
             rk = cache.table(self.layer)  # held in the cache's dtype
@@ -334,7 +289,7 @@ class RelativeAttention(nn.Module):
             rk = _as(rk, k.dtype) if rk is not None else None
         # the Triton kernel makes no bias [B, H, L, K]
         fused = self.attn_impl == "triton" and self._use_triton(mask, cache, return_probs)
-        bias, fresh = (None, False) if fused else self._bias(q, rk, mask, v, cache, rows)
+        bias, fresh = (None, False) if fused else self._bias(q, rk, mask, v, cache)
         qc = q if u is None else q + u  # content terms (a) + (c)
 
         extras = _NO_EXTRAS
@@ -355,7 +310,7 @@ class RelativeAttention(nn.Module):
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
             bias = None if bias is None else _as(bias, k.dtype)
-            scores = self._scores(_as(qc, k.dtype), k, bias, fresh, rows)
+            scores = self._scores(_as(qc, k.dtype), k, bias, fresh)
             if cache is not None and cache.hidden is not None:  # an eager step's one slot
                 scores.select(-1, cache.hidden).fill_(float("-inf"))
             if scores.dtype not in _HALF:
@@ -366,25 +321,15 @@ class RelativeAttention(nn.Module):
                 extras = {"probs": probs.view(*q.shape[:3], -1)}
             if self.training:
                 probs = dropout(probs, self.dropatt, True)
-            # [B H, L, Dh] from [B H, L, K] as _scores lays them out: one bmm, no 4-D matmul's
-            # reshapes (one traced row: a reduction)
-            attn = matmul(probs, val, True) if rows else torch.bmm(probs, val.flatten(0, 1))
+            # [B H, L, Dh] from [B H, L, K] as _scores lays them out: one bmm
+            attn = torch.bmm(probs, val.flatten(0, 1))
 
-        # the heads' outputs as rows [B L, H Dh], for one 2-D product (functional calls: the
-        # modules' operations without a module call each); one query per row is in that
-        # order already
-        if qlen == 1:
-            attn = attn.reshape(batch, -1)
-        else:
-            attn = attn.view(q.shape).transpose(1, 2).reshape(batch * qlen, -1)
-        if w is None:
-            out = F.linear(attn, self.out.weight)
-        elif rows:
-            out = matmul(_as(attn, w.out_t.dtype), w.out_t, True)
-        else:  # a decoder's weights
-            out = torch.mm(_as(attn, w.out_t.dtype), w.out_t)
-        if h.dim() == 3:
-            out = out.view_as(h)
+        # the heads' outputs as rows [B L, H Dh] for one 2-D product
+        batch, heads, qlen, d_head = q.shape
+        out = self.out(
+            attn.view(batch, heads, qlen, d_head).transpose(1, 2).reshape(batch * qlen, -1)
+        )
+        out = out.view_as(h)
         if self.training:
             out = dropout(out, self.drop.p, True, self.locked)
         return h + out if self.pre_lnorm else layer_norm(h + out, *norm), extras
@@ -393,21 +338,15 @@ class RelativeAttention(nn.Module):
         self, u: Tensor | None, v: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None]:
         """The content and position biases u, v this layer adds ("xl" only), [H, 1, Dh] to
-        broadcast over the queries: its own (untie_r) or the model's shared ones [H, Dh]."""
+        broadcast over the queries: its own (untie_r) or the model's shared ones (given so)."""
         if self.attn_type != "xl":
             return None, None
         if self.untie_r:
-            u, v = self.u, self.v
-        return u.unsqueeze(1), v.unsqueeze(1)
+            return self.u.unsqueeze(1), self.v.unsqueeze(1)
+        return u, v
 
     def _project(
-        self,
-        x: Tensor,
-        mem: Tensor | None,
-        cache: CacheStep | None,
-        front: int = 0,
-        w: StepWeights | None = None,
-        rows: bool = False,
+        self, x: Tensor, mem: Tensor | None, cache: CacheStep | None, front: int = 0
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Queries [B, H, L, Dh] of this segment; keys and values [B, H, K, Dh] of all it sees
         (``front`` zero keys and values first: masked slots that align K, _key_padding).
@@ -416,20 +355,15 @@ class RelativeAttention(nn.Module):
         concatenation, where slices would each zero-fill a full-size gradient). The memory
         is a constant (stop-gradient, Sec. 3.2), projected in its own product, so training's
         backward computes no input gradient for its M rows (2 B M D 2I FLOPs per layer).
-        Over a cache the keys and values are its slots, this segment's written into them.
+        Over a cache the keys and values are its slots, this segment's written into them
+        (``CacheStep.update``).
         """
-        flat = x.dim() == 2  # rows [B, D]: one query per row over a cache
-        batch, qlen = (x.size(0), 1) if flat else x.shape[:2]
-        if w is None:
-            qkv = F.linear(x, self.qkv.weight)
-        elif rows:
-            qkv = matmul(_as(x, w.qkv_t.dtype), w.qkv_t, True)
-        else:  # one 2-D product on the B L rows (no 3-D matmul's reshapes)
-            x = x if flat else x.reshape(batch * qlen, -1)
-            qkv = torch.mm(_as(x, w.qkv_t.dtype), w.qkv_t)
-        if cache is not None:  # [B, L, 3I] -> [3, B, H, L, Dh]: one write for k and v
+        batch, qlen = x.shape[:2]
+        # one 2-D product on the B L rows (a 3-D input would take matmul's reshapes)
+        qkv = self.qkv(x.flatten(0, 1))  # [B L, 3I]
+        if cache is not None:  # -> [3, B, H, L, Dh]: one write for k and v
             qkv = qkv.view(batch, qlen, 3, self.n_head, self.d_head).permute(2, 0, 3, 1, 4)
-            k, val = cache.write(self.layer, qkv[1:])
+            k, val = cache.update(self.layer, qkv[1:])
             return _as(qkv[0], k.dtype), k, val  # attention runs in the cache's dtype
         inner = self.n_head * self.d_head
         q, kv = qkv.view(batch, qlen, -1).split_with_sizes([inner, 2 * inner], dim=-1)
@@ -485,32 +419,19 @@ class PositionwiseFF(nn.Module):
         self.locked = config.variational_dropout  # one mask per row, shared across positions
         self.norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)  # the real D
 
-    def forward(self, h: Tensor, weights: StepWeights | None = None, rows: bool = False) -> Tensor:
-        """h [..., D] -> [..., D]. ``weights``, ``rows``: as in ``RelativeAttention.forward``
-        (a decoder's weights; one traced row's products as reductions)."""
-        if weights is None:
-            norm, b1, b2 = _args(self.norm), self.fc1.bias, self.fc2.bias
-            w1, w2 = self.fc1.weight.t(), self.fc2.weight.t()
-        else:
-            norm, b1, b2 = weights.norm2, weights.fc1_b, weights.fc2_b
-            w1, w2 = weights.fc1_t, weights.fc2_t
-        # on rows [B L, D]: a 2-D input with a bias is one addmm per layer (addmm(b, x, W^T)
-        # is what F.linear runs for one), where torch may run a 3-D one as a product and a
-        # separate pass to add the bias
-        flat = h.dim() == 2  # rows already (a decoding step's residual stream)
-        rows_in = h if flat else h.reshape(-1, h.size(-1))
-        x = layer_norm(rows_in, *norm) if self.pre_lnorm else rows_in
-        x = _as(x, w1.dtype)
-        if rows:
-            out = matmul(matmul(x, w1, True).add_(b1).relu_(), w2, True).add_(b2)
-        elif self.training:
+    def forward(self, h: Tensor) -> Tensor:
+        """h [B, L, D] -> [B, L, D]."""
+        # on rows [B L, D]: a 2-D input with a bias is one addmm per product, where torch
+        # may run a 3-D one as a product and a separate pass to add the bias
+        rows = h.flatten(0, 1)
+        x = layer_norm(rows, *_args(self.norm)) if self.pre_lnorm else rows
+        inner = self.fc1(x).relu_()
+        if self.training:  # dropped as [B, L, .]: a locked mask is one per row
             p, locked = self.drop.p, self.locked
-            inner = torch.addmm(b1, x, w1).relu_()  # rows [B L, d_inner]; [B, L, .] to drop
             inner = dropout(inner.view(*h.shape[:-1], -1), p, True, locked).view_as(inner)
-            out = torch.addmm(b2, inner, w2)
-            out = dropout(out.view_as(h), p, True, locked).view_as(rows_in)
-        else:
-            out = torch.addmm(b2, torch.addmm(b1, x, w1).relu_(), w2)
-        out = rows_in + out
-        out = out if self.pre_lnorm else layer_norm(out, *norm)
-        return out if flat else out.view_as(h)
+        out = self.fc2(inner)
+        if self.training:
+            out = dropout(out.view_as(h), self.drop.p, True, self.locked).view_as(rows)
+        out = rows + out
+        out = out if self.pre_lnorm else layer_norm(out, *_args(self.norm))
+        return out.view_as(h)

@@ -52,7 +52,7 @@ _EMPTY = -(2**40)  # position of a slot never written: outside every memory wind
 class CacheStep:
     """One segment's step over the cache, what every layer's attention is given (made once
     per segment by ``KVCache.advance``): the slots it writes, its mask and distance index,
-    and the layers' keys, values and position keys through ``write`` and ``table``."""
+    and the layers' keys, values and position keys through ``update`` and ``table``."""
 
     cache: KVCache
     slots: Tensor  # [L] the slots this segment writes
@@ -64,10 +64,8 @@ class CacheStep:
     ring: int = 0  # eager one-token step: where its slot-ordered keys start in ``ring_tables``
     hidden: int | None = None  # eager one-token step with same_length: the one slot it may
     # not see (the oldest of a full ring), None when it sees every written slot
-    traced: bool = False  # made inside a torch.compile trace (decided once a step, not per
-    # layer: the layers read these two flags)
-    fused: bool = False  # traced, one row and one query: the layers write their products as
-    # reductions the compiler fuses (attention.matmul)
+    traced: bool = False  # made inside a torch.compile trace: how ``update`` writes
+    # (decided once a segment, not per layer)
 
     def table(self, layer: int) -> Tensor | None:
         """Layer ``layer``'s position keys (None for absolute encodings): of distances
@@ -80,9 +78,10 @@ class CacheStep:
             return cache.ring_tables[layer].narrow(1, self.ring, self.width)
         return cache.tables[layer]
 
-    def write(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """Store this segment's keys and values of layer ``layer``, ``kv`` [2, B, H, L, Dh];
-        returns the keys and values of the slots it attends over, [B, H, S or W, Dh] each."""
+    def update(self, layer: int, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this segment's keys and values of layer ``layer``, ``kv`` [2, B, H, L, Dh]
+        (one tensor: one write for both); returns the keys and values of the slots it attends
+        over, [B, H, S or W, Dh] each (gpt-fast's ``k, v = cache.update(...)``)."""
         cache = self.cache
         buffer = cache.kv[layer]  # [2, B, H, S, Dh]
         kv = kv if kv.dtype == buffer.dtype else kv.to(buffer.dtype)
@@ -137,7 +136,7 @@ class KVCache:
         self.written = 0  # eager caches: next_pos on the host (a static step never reads it)
         self._stale = False  # eager caches: pos / next_pos lag ``written`` (see _sync)
         self._slot_ids = torch.arange(self.slots, device=device)
-        self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (CacheStep.write)
+        self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (CacheStep.update)
 
     @property
     def batch(self) -> int:
@@ -218,10 +217,9 @@ class KVCache:
         # one 0 / -inf bias for every layer of the segment
         mask = torch.zeros(visible.shape, dtype=self.kv.dtype, device=device)
         mask.masked_fill_(~visible, float("-inf"))
-        traced = torch.compiler.is_compiling()
-        fused = traced and qlen == 1 and self.batch == 1
         index = dist.clamp(0, self.slots - 1)
-        return CacheStep(self, slots, mask, index, self.slots, traced=traced, fused=fused)
+        traced = torch.compiler.is_compiling()
+        return CacheStep(self, slots, mask, index, self.slots, traced=traced)
 
     def _sync(self) -> None:
         """Bring the device's pos / next_pos up to ``written`` after unmasked eager steps:

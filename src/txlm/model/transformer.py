@@ -28,7 +28,6 @@ from txlm.model.align import Stored
 from txlm.model.attention import PositionwiseFF, RelativeAttention
 from txlm.model.cache import CacheStep, KVCache
 from txlm.model.dropout import Dropout, dropout
-from txlm.model.layout import StepWeights
 from txlm.model.lengths import Lengths
 from txlm.model.mask import attention_mask
 from txlm.model.memory import update_memory
@@ -65,16 +64,11 @@ class DecoderLayer(nn.Module):
         v: Tensor | None,
         *,
         cache: CacheStep | None = None,
-        weights: StepWeights | None = None,
         return_probs: bool = False,
     ) -> tuple[Tensor, Mapping[str, Tensor]]:
-        """h [B, L, D] (over a cache also rows [B, D]) -> (the same shape, attention extras);
-        ``cache``, ``weights``, ``return_probs``: see RelativeAttention.forward."""
-        # the sub-layers' forward itself, not a module call each: a decoding step makes
-        # a few hundred calls, and these would be two of them per layer (hooks go on the layer)
-        out, extras = self.attn.forward(h, mem, mask, pos, u, v, cache=cache, weights=weights,
-                                        return_probs=return_probs)  # fmt: skip
-        return self.ff.forward(out, weights, cache is not None and cache.fused), extras
+        """h [B, L, D] -> ([B, L, D], attention extras); see RelativeAttention.forward."""
+        out, extras = self.attn(h, mem, mask, pos, u, v, cache=cache, return_probs=return_probs)
+        return self.ff(out), extras
 
 
 class TransformerXL(nn.Module):
@@ -226,7 +220,6 @@ class TransformerXL(nn.Module):
         *,
         lengths: Lengths | None = None,
         cache: KVCache | None = None,
-        weights: list[StepWeights] | None = None,
         attn_kwargs: dict | None = None,
         extras: list[dict] | None = None,
     ) -> tuple[Tensor, list[Tensor], Tensor | None]:
@@ -237,9 +230,8 @@ class TransformerXL(nn.Module):
         ``cache`` (inference): the memory's keys and values come from it and this segment's
         go into it (txlm.model.cache); ``mems`` and ``mem_mask`` are then only carried along
         (updated when given, for callers that want the hidden-state memory too).
-        ``weights``: per layer the weights a decoder holds (txlm.model.layout: laid out for
-        one-row products, in its dtype; None: the parameters as they are). Every query length
-        runs the same layers: a segment, a prompt's segment or one decoded token.
+        Every query length runs the same layers: a segment, a prompt's segment or one
+        decoded token.
         ``extras``, when a list, receives each layer's attention extras (see
         RelativeAttention.forward; ``attn_kwargs`` asks for them).
         """
@@ -291,32 +283,22 @@ class TransformerXL(nn.Module):
             raise TypeError(f"unknown attention options {sorted(set(kwargs) - {'return_probs'})}")
         return_probs = bool(kwargs.get("return_probs", False))
 
-        # one query per row over a cache (a decoding step): the residual stream as rows
-        # [B, D] through the layers, which take it as it is (no reshape per sub-layer)
-        flat = step is not None and qlen == 1 and mems is None
-        if flat:
-            h = h.view(h.size(0), -1)
         hiddens = []  # each layer's input: the next memory
         if c.attn_type == "alrfou":
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
-        u, v = None, None  # the shared position biases, where a decoder's weights lack them
-        if weights is None:
-            u, v = getattr(self, "u", None), getattr(self, "v", None)
+        u, v = None, None  # the shared position biases [H, 1, Dh], made once a call
+        if hasattr(self, "u"):
+            u, v = self.u.unsqueeze(1), self.v.unsqueeze(1)
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
             hiddens.append(h)
-            # over a cache (inference) the layer's forward itself, not a module call: a
-            # decoding step makes one per layer and token, and the call's hook machinery would
-            # be a fair share of the step; hooks (the analysis tools) see cache-free forwards
-            h, layer_extras = (layer if step is None else layer.forward)(
+            h, layer_extras = layer(
                 h, None if mems is None else mems[n], mask, pos, u, v, cache=step,
-                weights=None if weights is None else weights[n], return_probs=return_probs,
+                return_probs=return_probs,
             )  # fmt: skip
             if extras is not None:
                 extras.append(layer_extras)
-        if flat:
-            h = h.unsqueeze(1)
         if self.training:
             h = dropout(h, self.drop.p, True, c.variational_dropout)
         if cache is not None:
@@ -371,17 +353,3 @@ class TransformerXL(nn.Module):
             lengths=self._lengths if lengths is None else lengths, max_len=max_len,
             device=p.device, dtype=p.dtype if dtype is None else dtype, static=static,
         )  # fmt: skip
-
-    @torch.no_grad()
-    def step_weights(
-        self,
-        dtype: torch.dtype | None = None,
-        attn_dtype: torch.dtype | None = None,
-    ) -> list[StepWeights]:
-        """Per layer the weights a decoder's forward reads (txlm.model.layout), its products
-        in ``dtype`` and its attention in ``attn_dtype`` (the weights' by default): a decoder
-        makes them once."""
-        u, v = getattr(self, "u", None), getattr(self, "v", None)
-        return [
-            StepWeights.of(layer, u, v, dtype=dtype, attn_dtype=attn_dtype) for layer in self.layers
-        ]

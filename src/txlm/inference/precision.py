@@ -1,0 +1,116 @@
+"""A model's layers with their weights in a narrower form, for inference: fewer bytes a token.
+
+A decoding step at batch 1 streams every layer's weights from memory once per token, so its
+time is their bytes over the read bandwidth: bf16 weights halve them, int8 weights quarter
+them. ``narrowed(model, precision)`` is the model with each layer's four projections (the
+attention's qkv and output, the feed-forward's two) replaced by modules that hold their weight
+in that form; everything else (embedding, position projections, LayerNorms, u and v, the
+output layer) is the model's own tensors, shared, not copied. The model itself is not changed.
+
+    "fp32"  the weights as they are, held transposed for one library product a call
+    "bf16"  bf16 weights; inputs cast to bf16, products accumulated in float32 by the kernel
+    "int8"  weight-only int8 (one float scale per output row, symmetric), the product
+            ``torch.ops.aten._weight_int8pack_mm`` (what torchao's int8 weight-only
+            quantization runs on a CPU): activations stay float, the weight is dequantised
+            inside the kernel
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from txlm.errors import ConfigError
+from txlm.model.transformer import TransformerXL
+
+Precision = Literal["fp32", "bf16", "int8"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "int8")  # what the commands offer
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # (fp16: a CUDA decoder's autocast)
+
+
+class RowLinear(nn.Module):
+    """``nn.Linear`` for rows [N, in], its weight held as W^T [in, out] in ``dtype`` (the
+    input cast to it): one library product a call (``mm``, or ``addmm`` with the bias), where
+    ``F.linear`` makes a transposed view and a dispatch through ``matmul`` first. A decoding
+    step makes a few hundred calls of a few microseconds each: what bounds it at batch 1."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("weight_t", linear.weight.detach().t().to(dtype).contiguous())
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight_t
+        x = x if x.dtype == w.dtype else x.to(w.dtype)
+        return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
+
+
+def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: (q [out, in] int8, scales [out] float32) with q * scale ~ w."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def int8_matmul(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
+    """x [..., in] float32 @ (q * scales)^T -> [..., out] float32. (The CPU kernel's bf16
+    form crashes for some widths in torch 2.13: float32 activations only.)"""
+    rows = x.reshape(-1, x.size(-1))
+    if rows.device.type == "cpu":  # the fused kernel (dequantises as it streams the weight)
+        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), q, scales)
+    else:
+        out = (rows @ q.to(x.dtype).t()) * scales
+    return out.view(*x.shape[:-1], -1)
+
+
+class Int8Linear(nn.Module):
+    """``nn.Linear`` with a weight-only int8 weight (``quantize_int8``); the bias stays float."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        q, scales = quantize_int8(linear.weight)
+        self.register_buffer("q", q)
+        self.register_buffer("scales", scales)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x.float() if x.dtype != torch.float32 else x
+        out = int8_matmul(x, self.q, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+def narrow_linear(linear: nn.Linear, precision: str) -> nn.Module:
+    """``linear`` in ``precision`` (see the module docstring), for rows [N, in]."""
+    if precision == "fp32":
+        return RowLinear(linear, linear.weight.dtype)
+    if precision in HALF:
+        return RowLinear(linear, HALF[precision])
+    if precision == "int8":
+        return Int8Linear(linear)
+    raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+
+
+def narrowed(model: TransformerXL, precision: str) -> TransformerXL:
+    """The model with its layers' projections in ``precision`` for a decoder (``RowLinear``,
+    "fp32" and the half dtypes; ``Int8Linear``).
+
+    A copy of the module tree whose other tensors are the model's (shared, not copied), then
+    each layer's qkv, out, fc1 and fc2 replaced in the copy, made from the weights as they
+    are now. Its forward hooks are the model's as they are now (the hook dictionaries are
+    copied, the functions shared)."""
+    if precision not in PRECISIONS and precision not in HALF:
+        raise ConfigError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    tensors = [*model.parameters(), *model.buffers()]
+    net = copy.deepcopy(model, memo={id(t): t for t in tensors})
+    with torch.no_grad():
+        for layer in net.layers:
+            for owner, name in ((layer.attn, "qkv"), (layer.attn, "out"),
+                                (layer.ff, "fc1"), (layer.ff, "fc2")):  # fmt: skip
+                setattr(owner, name, narrow_linear(getattr(owner, name), precision))
+    return net

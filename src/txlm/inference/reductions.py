@@ -1,0 +1,47 @@
+"""Products written as reductions: how a compiled one-row decoding step fuses its layers.
+
+A decoding step of one row multiplies one vector by each weight: the product only streams
+its operand, so a broadcast multiply and a sum over the shared axis reads the same bytes as a
+library matrix-vector product, and, traced by torch.compile, it is a loop the compiler fuses
+with what surrounds it (the cache write, the mask, softmax, the residual and LayerNorm), where
+a library product is a kernel of its own with another for what follows it (ARCHITECTURE.md,
+C35). The model's forward is written once with ordinary products; the decoder's compiled step
+for one row traces it inside ``products_as_reductions()``, which rewrites them as it is
+traced. Eagerly, and for several rows (where a library product reuses each weight across
+rows), the products stay the library's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+
+def _matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for a [..., N, K], b [..., K, M] as a broadcast multiply and a sum over K."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
+class products_as_reductions(TorchFunctionMode):
+    """Inside it, ``F.linear``, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (in place or not)
+    run as reductions."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight, *rest = args
+            bias = rest[0] if rest else kwargs.get("bias")
+            out = (x.unsqueeze(-2) * weight).sum(-1)
+            return out if bias is None else out + bias
+        if func in (torch.mm, torch.bmm, Tensor.bmm):
+            return _matmul(*args)
+        if func is torch.addmm:
+            bias, a, b = args
+            return bias + _matmul(a, b)
+        if func in (torch.baddbmm, Tensor.baddbmm, Tensor.baddbmm_):
+            bias, a, b = args
+            scores = _matmul(a, b) * kwargs.get("alpha", 1)
+            return bias.add_(scores) if func is Tensor.baddbmm_ else bias + scores
+        return func(*args, **kwargs)
