@@ -27,7 +27,7 @@ def _write(cache: KVCache, start: int, qlen: int, reset=None):
     rows = torch.arange(B, dtype=torch.float32)[:, None] * 1000
     k = (pos + rows)[:, None, :, None].expand(B, H, qlen, DH)
     for layer in range(N):
-        step.write(layer, torch.stack([k, -k]))
+        step.update(layer, torch.stack([k, -k]))
     return step
 
 
@@ -126,3 +126,21 @@ def test_an_eager_one_token_step_sees_the_static_steps_slots(same_length) -> Non
 def test_a_segment_longer_than_the_cache_was_made_for_is_refused() -> None:
     with pytest.raises(ValueError, match="does not fit"):
         _cache(4, 2).advance(3, None)
+
+
+@pytest.mark.parametrize("same_length", [False, True])
+def test_a_masked_segment_after_one_token_steps_sees_the_static_steps_slots(same_length) -> None:
+    """Eager one-token steps leave the ring's bookkeeping to be brought up to date; a longer
+    segment after them must see the positions before it only (a prompt of 1 + L tokens read
+    as a segment of 1, then one of L, is the case a decoder meets)."""
+    static, eager = _cache(6, 4, same_length=same_length), _cache(6, 4, same_length=same_length,
+                                                                  static=False)  # fmt: skip
+    t = 0
+    for qlen in (1, 1, 4, 1, 3):
+        want = _visible(_write(static, t, qlen))
+        step = _write(eager, t, qlen)
+        if step.mask is not None:
+            assert torch.equal(_visible(step), want), (t, qlen)
+        t += qlen
+    for a, b in zip(static.window(1), eager.window(1), strict=True):
+        assert torch.equal(a, b)

@@ -177,6 +177,8 @@ class KVCache:
         same_length = self.lengths.same_length
         if not self.static:
             unmasked = self.unmasked(qlen, reset)
+            if not unmasked:  # the bookkeeping of the positions before this segment
+                self._sync()
             t = self.written
             self.written += qlen
             if unmasked:
@@ -194,7 +196,6 @@ class KVCache:
                     self, self._slot_ids.narrow(0, slot, 1), None, None, width,
                     self.slots - 1 - slot, hidden,
                 )  # fmt: skip
-        self._sync()
         device = self.pos.device
         qpos = self.next_pos + torch.arange(qlen, device=device)  # [L]
         slots = qpos % self.slots
