@@ -339,7 +339,7 @@ def test_mirror_from_environment_and_a_bad_archive(tmp_path, server, mirror, mon
 def test_progress_is_shown_in_a_log(tmp_path, mirror, capsys, monkeypatch):
     import itertools
 
-    from txlm import progress
+    from txlm.data import progress
 
     # every reading of the progress clock 2 s later: the download lasts past its first second
     monkeypatch.setattr(progress, "_now", itertools.count(0.0, 2.0).__next__)

@@ -14,8 +14,7 @@ def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(
 ):
     import itertools
 
-    from txlm import progress
-    from txlm.data import load_prepared
+    from txlm.data import load_prepared, progress
     from txlm.training import Trainer
 
     # every reading of the progress clock 2 s later: each evaluation lasts past its first
@@ -54,7 +53,7 @@ def test_final_evaluation_is_bounded_and_reports_progress_into_a_file(
 
 
 def test_a_final_evaluation_within_a_second_prints_only_its_result(tmp_path, capsys, monkeypatch):
-    from txlm import progress
+    from txlm.data import progress
     from txlm.training import Trainer
 
     monkeypatch.setattr(progress, "_now", lambda: 0.0)  # no time passes

@@ -24,8 +24,8 @@ import torch
 
 from txlm.classify.classifier import Classifier
 from txlm.classify.documents import pad_documents
+from txlm.data.progress import Progress
 from txlm.errors import CheckpointError, DataError
-from txlm.progress import Progress
 
 TASK = "classify"
 
@@ -68,7 +68,7 @@ def predict(
 ) -> torch.Tensor:
     """[N, C] label probabilities of token-id documents, read in batches of similar length
     (each document alone in its row, memory carried across its segments). ``progress``: on
-    stderr (``txlm.progress``: a bar on a terminal, lines in a log past a second)."""
+    stderr (``txlm.data.progress``: a bar on a terminal, lines in a log past a second)."""
     device = next(model.parameters()).device
     order = sorted(range(len(docs)), key=lambda i: len(docs[i]))
     probs = torch.empty(len(docs), len(model.labels), dtype=torch.float64)

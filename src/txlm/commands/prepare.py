@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         replace=True,  # the one command that rebuilds a copy that is out of date
         mirror=args.mirror,
-        # a bar on a terminal, a line every 30 s in a log (txlm.progress)
+        # a bar on a terminal, a line every 30 s in a log (txlm.data.progress)
         progress=not args.no_progress,
         min_freq=args.min_freq,
         max_vocab=args.max_vocab,

@@ -24,8 +24,8 @@ import urllib.request
 from pathlib import Path
 
 from txlm import atomic
+from txlm.data.progress import Progress
 from txlm.errors import DataError
-from txlm.progress import Progress
 
 CHUNK = 1 << 20
 CHECKSUM_RECORD = "checksums.json"
@@ -114,7 +114,7 @@ def download(
                 while block := f.read(CHUNK * 4):
                     hasher.update(block)
         done = have
-        # a bar on a terminal, a line per tenth or 30 s in a log (txlm.progress)
+        # a bar on a terminal, a line per tenth or 30 s in a log (txlm.data.progress)
         bar = Progress(dest.name, total, unit="bytes", initial=have, enabled=progress)
         try:
             with open(part, "ab" if resumed else "wb") as out:

@@ -13,9 +13,9 @@ import numpy as np
 
 from txlm.data.bpe import renumber_by_count
 from txlm.data.corpora import SPLITS, RawCorpus
+from txlm.data.progress import Progress
 from txlm.data.vocab import BPEVocab, Vocab
 from txlm.errors import DataError
-from txlm.progress import Progress
 
 INLINE_DOC_STARTS = 1 << 16  # more document offsets than this go to SPLIT.docs.bin
 

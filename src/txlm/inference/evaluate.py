@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from txlm.data import metrics as _metrics
+from txlm.data.progress import Progress
 from txlm.devices import autocast
 from txlm.inference.kv_eval import CachedEvaluator
 from txlm.inference.precision import narrowed
@@ -37,7 +38,6 @@ from txlm.model import TransformerXL
 from txlm.model.lengths import Lengths
 from txlm.model.modes import evaluating
 from txlm.model.transformer import TransformerXLOutput
-from txlm.progress import Progress
 
 LN2 = math.log(2.0)
 

@@ -42,7 +42,7 @@ def evaluate_split(
     """Stream ``split`` with ``eval``'s lengths: at most ``eval.max_eval_steps`` segments, or
     when ``full`` the split's first ``eval.final_max_tokens`` tokens (None: all of them).
 
-    Progress (``txlm.progress``): a bar on a terminal; into a file (stderr redirected), a
+    Progress (``txlm.data.progress``): a bar on a terminal; into a file (stderr redirected), a
     line at every tenth of the segments of a ``full`` evaluation that takes more than a
     second, so a long one shows in a log that it moves (the run's capped validations stay
     quiet there).

@@ -1,4 +1,4 @@
-"""``txlm.progress``: a bar on a terminal; in a log a line per tenth of the work or every
+"""``txlm.data.progress``: a bar on a terminal; in a log a line per tenth of the work or every
 30 s, and nothing for a step that ends within a second. The clock is a hook the tests
 advance step by step (never the wall clock)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import io
 import itertools
 
-from txlm import progress
-from txlm.progress import Progress
+from txlm.data import progress
+from txlm.data.progress import Progress
 
 
 def ticking(step_s: float):
