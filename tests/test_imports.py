@@ -153,3 +153,48 @@ def test_no_import_cycles():
     graph = import_graph()
     found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(_path(graph, c) for c in found)
+
+
+# ARCHITECTURE.md, layers: the packages (or modules) of each layer, in the table's order; a
+# module imports only its own layer and those before it. Classification spans three layers.
+LAYERS = [
+    ("txlm.errors", "txlm.devices", "txlm.atomic"),
+    ("txlm.config", "txlm.resources"),
+    ("txlm.model", "txlm.classify.classifier"),
+    ("txlm.data", "txlm.classify.classes", "txlm.classify.documents"),
+    ("txlm.checkpoints",),
+    ("txlm.inference", "txlm.classify"),
+    ("txlm.serve",),
+    ("txlm.training",),
+    ("txlm.analysis",),
+    ("txlm.commands", "txlm.cli"),
+]
+
+
+def _layer(module: str) -> int | None:
+    """The layer of ``module``: its longest matching entry's."""
+    best = None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and (best is None or len(p) > best[1]):
+                best = (i, len(p))
+    return None if best is None else best[0]
+
+
+def test_the_package_root_holds_few_modules():
+    root = sorted(p.name for p in SRC.glob("*.py") if not p.name.startswith("__"))
+    assert len(root) + 2 <= 8, root  # __init__ and __main__ count too
+
+
+def test_no_layer_imports_a_later_one():
+    """data imports nothing of the checkpoints, the model nothing of data, and so on down the
+    table; an arrow back up is a layer that knows what is built on it."""
+    graph = import_graph()
+    up = []
+    for module, imported in graph.items():
+        mine = _layer(module)
+        for other in imported:
+            theirs = _layer(other)
+            if mine is not None and theirs is not None and theirs > mine:
+                up.append(f"{module} -> {other}")
+    assert not up, "imports back up the layers:\n" + "\n".join(sorted(up))
