@@ -67,8 +67,8 @@ def run_layer(impl: str, config: ModelConfig, *, mlen: int, dtype=torch.float64,
     gen = torch.Generator().manual_seed(1)
     h = torch.randn(2, L, D, generator=gen, dtype=dtype, requires_grad=True)
     mem = torch.randn(2, mlen, D, generator=gen, dtype=dtype) if mlen else None
-    u = torch.randn(H, DH, generator=gen, dtype=dtype, requires_grad=True)
-    v = torch.randn(H, DH, generator=gen, dtype=dtype, requires_grad=True)
+    u = torch.randn(H, 1, DH, generator=gen, dtype=dtype, requires_grad=True)  # [H, 1, Dh]
+    v = torch.randn(H, 1, DH, generator=gen, dtype=dtype, requires_grad=True)
     mask, _ = attention_mask(L, mlen, mem_len=MEM_LEN, **mask_kw)
     pos = None  # vaswani: the encoding is added to the embeddings, no position term here
     if config.attn_type == "xl":
@@ -235,7 +235,7 @@ def big_outputs(impl: str, monkeypatch) -> tuple[list[list[str]], list[str]]:
     layer = RelativeAttention(config).double().train()
     h = torch.randn(2, L, D, dtype=torch.float64, requires_grad=True)
     mem = torch.randn(2, M, D, dtype=torch.float64)
-    u, v = torch.randn(H, DH, dtype=torch.float64), torch.randn(H, DH, dtype=torch.float64)
+    u, v = (torch.randn(H, 1, DH, dtype=torch.float64) for _ in range(2))
     mask, _ = attention_mask(L, M, mem_len=MEM_LEN, same_length=False, reset=doc_resets())
     pos = sinusoid(relative_distances(L + M, 0), D).double()
     pairs = 2 * H * L * (L + M)
@@ -273,7 +273,7 @@ def test_attention_dropout_takes_the_math_path(monkeypatch) -> None:
     h = torch.randn(2, L, D, dtype=torch.float64)
     mask, _ = attention_mask(L, 0, mem_len=MEM_LEN, same_length=False)
     pos = sinusoid(relative_distances(L, 0), D).double()
-    u, v = torch.zeros(H, DH, dtype=torch.float64), torch.zeros(H, DH, dtype=torch.float64)
+    u, v = (torch.zeros(H, 1, DH, dtype=torch.float64) for _ in range(2))
     layer.train()(h, None, mask, pos, u, v)
     assert calls == []
     layer.eval()(h, None, mask, pos, u, v)

@@ -139,7 +139,9 @@ class _TermCapture:
             "a": q @ k.transpose(-1, -2),
             "b": rel_shift(q @ rk.transpose(-1, -2)),
             # (d) does not depend on the query: one row [H, K+1] shifted per query.
-            "d": rel_shift((v[:, None, :] @ rk.transpose(-1, -2)).expand(*q.shape[:-1], -1)),
+            "d": rel_shift(
+                (v.reshape(v.size(0), 1, -1) @ rk.transpose(-1, -2)).expand(*q.shape[:-1], -1)
+            ),
         }
         for name, score in terms.items():
             p = torch.softmax((score * attn.scale).masked_fill(~mask, float("-inf")), dim=-1)

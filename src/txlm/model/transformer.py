@@ -288,7 +288,10 @@ class TransformerXL(nn.Module):
             abs_pos = torch.arange(qlen, device=device).clamp(max=c.n_positions - 1)
         u, v = None, None  # the shared position biases [H, 1, Dh], made once a call
         if hasattr(self, "u"):
-            u, v = self.u.unsqueeze(1), self.v.unsqueeze(1)
+            # detached without grad: a view of a parameter made under no_grad still says it
+            # requires grad, and hooks on the layers (torch's module tracker) then fail on it
+            grad = torch.is_grad_enabled()
+            u, v = ((p if grad else p.detach()).unsqueeze(1) for p in (self.u, self.v))
         for n, layer in enumerate(self.layers):
             if c.attn_type == "alrfou":
                 h = h + layer.pos_emb[abs_pos].to(h.dtype)
