@@ -227,7 +227,7 @@ def generate(
             repetition_penalty=repetition_penalty, ban=banned_ids(vocab, ban, rows),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
         )  # fmt: skip
-    decode = None if vocab is None else (lambda ids: vocab.decode(ids))
+    decode = None if vocab is None else vocab.decode
     ends = [
         Continuation(decode, r, sampling.stop, stop_id) for r in rows for _ in range(num_samples)
     ]

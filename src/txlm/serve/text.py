@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from txlm.inference.stops import Continuation
+
 # prompt tokens decoded before a row's ids, so a vocabulary whose decode joins with spaces
 # (word level) or assembles bytes gives the same text as decoding the whole
 _CONTEXT = 8
@@ -12,51 +14,43 @@ _CONTEXT = 8
 class RowText:
     """One row's generated text, handed out as it grows: nothing that may still become a
     stop string (a held-back suffix) or an incomplete UTF-8 sequence is emitted; at the
-    first stop string the text ends before it."""
+    first stop string the text ends before it. The row itself (its ids, the stop strings
+    and the ids kept) is ``txlm.inference.stops.Continuation``, as ``txlm.generate`` has it."""
 
     def __init__(self, vocab: Any, prompt: list[int], stop: tuple[str, ...]) -> None:
-        self.vocab, self.context, self.stop = vocab, prompt[-_CONTEXT:], stop
-        self.base = vocab.decode(self.context)
-        self.ids: list[int] = []
-        self.text = ""  # the text so far (up to a stop string)
+        self.row = Continuation(vocab.decode, prompt[-_CONTEXT:], stop)
         self.emitted = 0
-        self.stopped = False
+
+    @property
+    def stopped(self) -> bool:
+        return self.row.cut is not None
+
+    @property
+    def text(self) -> str:
+        """The text so far (up to a stop string)."""
+        return self.row.text()
 
     def push(self, tid: int, *, final: bool = False) -> str:
         """Add a token; the text it makes safe to emit (maybe empty). A stopped row takes
         no more tokens."""
         if self.stopped:
             return ""
-        self.ids.append(tid)
-        text = self.vocab.decode(self.context + self.ids)[len(self.base) :]
-        hits = [at for s in self.stop if (at := text.find(s)) >= 0]
-        hold = 0
-        if hits:
-            text, self.stopped = text[: min(hits)], True
-        elif not final:
-            stripped = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence may complete
-            tail = 0
-            for s in self.stop:  # the longest end of the text that may become a stop string
-                tail = max([tail] + [k for k in range(1, len(s)) if stripped.endswith(s[:k])])
-            hold = len(text) - len(stripped) + tail
-        self.text = text
-        return self.flush(len(text) - hold)
+        self.row.push(tid)
+        if self.stopped or final:
+            return self.flush()
+        shown = self.row.full_text().rstrip("\ufffd")  # an incomplete UTF-8 sequence may complete
+        matcher = self.row.matcher
+        return self.flush(len(shown) if matcher is None else matcher.safe(shown))
 
     def kept_ids(self) -> list[int]:
         """The ids whose text is the row's text: all of them, or those before a stop
         string."""
-        if not self.stopped:
-            return list(self.ids)
-        k = len(self.ids)
-        while k and len(self.vocab.decode(self.context + self.ids[:k])) - len(self.base) > len(
-            self.text
-        ):
-            k -= 1
-        return self.ids[:k]
+        return self.row.kept_ids()
 
     def flush(self, upto: int | None = None) -> str:
-        upto = len(self.text) if upto is None else upto
-        delta = self.text[self.emitted : upto] if upto > self.emitted else ""
+        text = self.text
+        upto = len(text) if upto is None else upto
+        delta = text[self.emitted : upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
         return delta
 
