@@ -572,7 +572,7 @@ class Trainer:
                 f"--resume {self.out / 'last'}"
             )
         log.close()
-        dist.shutdown()
+        self._leave_group()
         return {"stopped": True, "step": self.step, "exit_code": 128 + signal}
 
     def _finish(self, log: MetricsLog, report: ProgressReport) -> dict[str, Any]:
@@ -611,8 +611,17 @@ class Trainer:
         if self.dist.is_main:
             atomic.write_json(self.out / RESULTS_FILE, summary)
         log.close()
-        dist.shutdown()
+        self._leave_group()
         return summary
+
+    def _leave_group(self) -> None:
+        """Drop the DDP wrapper, then leave the process group. DDP's reducer holds the group
+        (with gloo, its worker threads): released here, the group is torn down in
+        ``destroy_process_group`` right after the ranks' last barrier, not whenever the trainer
+        happens to be freed, perhaps while another rank is still exiting. The run is over:
+        nothing steps through ``forward_model`` again."""
+        self.forward_model = self.model if self.compute is None else self.compute.model
+        dist.shutdown()
 
     def _average_summary(self) -> dict[str, Any]:
         """The weight average, and the final valid split (whole, as the final evaluation
