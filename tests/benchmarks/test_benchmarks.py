@@ -155,7 +155,9 @@ def test_gpu_check_records_a_failing_section_and_goes_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_check, "evaluate", broken)
     out = tmp_path / "gpu.json"
-    assert gpu_check.main(["--device", "cpu", "--quick", "--out", str(out)]) == 1
+    # the failing section and one after it (every section: test_gpu_check_script_runs_on_the_cpu)
+    argv = ["--device", "cpu", "--quick", "--only", "debug eval", "decode fp32", "--out", str(out)]
+    assert gpu_check.main(argv) == 1
     result = json.loads(out.read_text())
     assert result["errors"]["debug eval"].startswith("RuntimeError: CUDA error")
     assert "eval" not in result["shapes"]["debug"]

@@ -7,8 +7,8 @@ chosen on the device, no host read, so a CUDA graph can capture it). The
 random numbers come in as an input, drawn from the caller's generator just before the step,
 so the compiled step must draw the tokens of the eager pruned step and of the reference
 decoder's full-softmax draw with the same generator: greedy, top-k, top-k with top-p, top-p
-alone, plain sampling; hundreds of tokens over several rows and over one (where a skipped
-cluster's product reads one row of its weight), the cache's ring wrapping many times, no
+alone, plain sampling; over a hundred tokens a row, over several rows and over one (where a
+skipped cluster's product reads one row of its weight), the cache's ring wrapping many times, no
 recompile, every cluster drawn from. With aot_eager (the traced graph as it is) and inductor
 (generated code, which must not read anything back to the host).
 """
@@ -85,7 +85,7 @@ def _check(backend, name: str, steps: int, prompts=PROMPTS, reached: int = 4) ->
     assert pruned == (name != "top_p")  # (top-p alone draws from the full distribution)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    with torch._dynamo.config.patch(error_on_recompile=True):  # mem_len 16: ~20 ring turns
+    with torch._dynamo.config.patch(error_on_recompile=True):  # mem_len 16: ~8 ring turns
         got = _tokens(compiled, sampling, steps, prompts)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -98,7 +98,7 @@ def _check(backend, name: str, steps: int, prompts=PROMPTS, reached: int = 4) ->
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_compiled_token_step_draws_the_eager_and_full_softmax_tokens(name: str) -> None:
-    _check("aot_eager", name, steps=300, reached=3 if name == "min_p_ban" else 4)  # (min-p
+    _check("aot_eager", name, steps=120, reached=3 if name == "min_p_ban" else 4)  # (min-p
     # cuts the rarest cluster here)
 
 
@@ -111,7 +111,7 @@ def test_inductor_token_step_draws_the_same_tokens(name: str) -> None:
 def test_one_row_token_step_draws_the_same_tokens(name: str) -> None:
     """One row: a tail cluster no row needs has its product read one row of its weight."""
     row = {"greedy": 1, "top_k": 0, "plain": 3}[name]  # rows whose draws reach 2+ tails
-    _check("aot_eager", name, steps=300, prompts=PROMPTS[row : row + 1], reached=3)
+    _check("aot_eager", name, steps=120, prompts=PROMPTS[row : row + 1], reached=3)
 
 
 @pytest.mark.parametrize("rows", [1, 8])
@@ -164,13 +164,13 @@ def test_more_sampling_settings_than_dynamos_limit_compile_in_one_process() -> N
     counters = torch._dynamo.utils.counters
     limit = torch._dynamo.config.recompile_limit
     counters.clear()
-    for k in range(1, limit + 3):
+    for k in range(1, limit + 3):  # dynamo's limit: its tracing alone (the "eager" backend)
         sampling = SamplingConfig(top_k=k)
-        decoder = Decoder(model, compile="aot_eager")
+        decoder = Decoder(model, compile="eager")
         got = _tokens(decoder, sampling, steps=3, prompts=PROMPTS[:2])
         assert torch.equal(got, _tokens(Decoder(model), sampling, 3, PROMPTS[:2]))
     assert counters["stats"]["unique_graphs"] == limit + 2
     counters.clear()
     for _ in range(3):
-        _tokens(Decoder(model, compile="aot_eager"), SamplingConfig(top_k=2), 3, PROMPTS)
+        _tokens(Decoder(model, compile="eager"), SamplingConfig(top_k=2), 3, PROMPTS)
     assert counters["stats"]["unique_graphs"] == 1
