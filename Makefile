@@ -37,9 +37,13 @@ run: $(STAMP)
 	fi
 	$(BIN)/txlm generate $(RUN_OUT)/best --prompt "ROMEO:" --max-new-tokens 300 --seed 0
 
+# One pytest-xdist worker per core, each at one thread (tests/conftest.py), a file's tests on
+# one worker (its module and package fixtures made once).
+PARALLEL := -n auto --dist loadfile
+
 test: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(PARALLEL)
 
 # The suite in three shuffled orders (pytest-randomly; plain `make test` keeps the file
 # order): a test that passes only after, or before, another one fails here. Each run prints
@@ -49,7 +53,7 @@ test-random: $(STAMP)
 	$(BIN)/txlm prepare shakespeare
 	@for seed in $(RANDOM_SEEDS); do \
 		echo "test-random: order $$seed"; \
-		$(BIN)/python -m pytest -p randomly --randomly-seed=$$seed \
+		$(BIN)/python -m pytest $(PARALLEL) -p randomly --randomly-seed=$$seed \
 			|| { echo "test-random: order $$seed FAILED"; exit 1; }; \
 	done
 

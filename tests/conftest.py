@@ -22,6 +22,12 @@ import torch
 # The suite's intra-op thread count (torch's default: one per core). `make test-portable`
 # runs it at 1 and 3: which CPU kernel a product takes, and so the order of its sums, depends
 # on the thread count, and a test that holds only at one count compares the wrong way.
+# Under pytest-xdist (`make test`: one worker per core) each worker takes 1, and so do the
+# processes its tests start (OMP_NUM_THREADS): two workers of two threads on two cores wait
+# on each other's spinning threads, many times slower than either alone.
+if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("TXLM_TEST_THREADS"):
+    os.environ["TXLM_TEST_THREADS"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("TXLM_TEST_THREADS"):
     torch.set_num_threads(int(os.environ["TXLM_TEST_THREADS"]))
 
