@@ -36,7 +36,7 @@ def _offline(offline, prompt, max_tokens, settings, n, seed):
             model, vocab.encode(prompt), max_new_tokens=max_tokens, seed=seed + j,
             lengths=lengths, top_k=settings.get("top_k", 40), top_p=settings.get("top_p"),
             temperature=temperature or 1.0, greedy=temperature == 0,
-            start_id=start_token(vocab),
+            start_id=start_token(vocab), vocab=vocab,  # (<unk> banned, as the server bans it)
         )[0])
         for j in range(n)  # row j: the prompt alone with seed + j
     ]  # fmt: skip

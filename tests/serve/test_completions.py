@@ -15,12 +15,13 @@ PROMPT = "ROMEO: the quick brown fox jumps over the lazy dog, and then"  # > tgt
 
 def offline_text(offline, prompt, *, max_tokens, seed, n=1, **settings):
     """``txlm generate``'s samples: row r of a request draws as its prompt alone with
-    seed + r (here one prompt: sample j is row j)."""
+    seed + r (here one prompt: sample j is row j); with the vocabulary, so ``<unk>`` is
+    banned as the server bans it."""
     model, vocab, lengths = offline
     ids = vocab.encode(prompt)
     return [
         vocab.decode(generate(model, ids, max_new_tokens=max_tokens, seed=seed + j,
-                              lengths=lengths, **settings)[0])
+                              lengths=lengths, vocab=vocab, **settings)[0])
         for j in range(n)
     ]  # fmt: skip
 
@@ -32,6 +33,16 @@ def offline_text(offline, prompt, *, max_tokens, seed, n=1, **settings):
         ({"temperature": 0}, {"greedy": True}),
         ({"temperature": 0.7, "top_p": 0.9}, {"temperature": 0.7, "top_p": 0.9}),
         ({"extra_body": {"top_k": 5}}, {"top_k": 5}),
+        # vLLM's extension fields, and logit_bias -100 as a ban
+        (
+            {"extra_body": {"min_p": 0.05, "repetition_penalty": 1.3}},
+            {"min_p": 0.05, "repetition_penalty": 1.3},
+        ),
+        (
+            {"temperature": 0, "extra_body": {"repetition_penalty": 2.0}},
+            {"greedy": True, "repetition_penalty": 2.0},
+        ),
+        ({"logit_bias": {"4": -100, "9": -100}}, {"ban": [4, 9, "<unk>"]}),
     ],
 )
 def test_same_ids_as_generate(client, offline, settings, offline_settings):

@@ -35,7 +35,7 @@ def test_32_clients_get_complete_answers_equal_to_offline(lm_path, offline):
         key = b["prompt"], b["seed"]
         if key not in want:
             ids = generate(model, vocab.encode(b["prompt"]), max_new_tokens=b["max_tokens"],
-                           seed=b["seed"], lengths=lengths)[0]  # fmt: skip
+                           seed=b["seed"], lengths=lengths, vocab=vocab)[0]  # fmt: skip
             want[key] = vocab.decode(ids)
     with (
         serving(lm_path, ServeConfig(max_batch=16)) as s,

@@ -44,6 +44,7 @@ def test_sigterm_ends_open_streams_and_exits_0(lm_path):
         line = _line(proc.stdout)
         assert line.startswith("txlm: serving lm at http://127.0.0.1:")
         url = line.split(" at ")[1].strip()
+        assert _line(proc.stdout) == "txlm: lm loaded, ready for requests\n"  # (503 before)
         body = {"prompt": "ROMEO:", "max_tokens": 1000000, "stream": True}
         with (
             httpx.Client(base_url=url, timeout=TIMEOUT) as http,

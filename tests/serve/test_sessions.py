@@ -51,7 +51,7 @@ def test_a_continuation_equals_one_request_over_the_concatenation(client, http, 
                                        extra_body={"session": sid}).choices[0].text  # fmt: skip
     # the session's text: what it read and what it wrote (within the memory: same context)
     whole = vocab.encode("ROMEO:" + first + " so")
-    want = generate(model, whole, max_new_tokens=5, seed=2, lengths=lengths)[0]
+    want = generate(model, whole, max_new_tokens=5, seed=2, lengths=lengths, vocab=vocab)[0]
     assert second == vocab.decode(want)
     assert http.get(f"/v1/sessions/{sid}").json()["tokens"] == len(whole) + 5
 

@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
     settings = uvicorn.Config(create_app(service), log_level="warning", lifespan="on")
     server = _server(settings, service)
     service.on_failure = lambda: setattr(server, "should_exit", True)
+    # listening at once (/health answers 503 while the model loads), ready once it has loaded
+    service.on_ready = lambda: print(f"txlm: {service.name} loaded, ready for requests",
+                                     flush=True)  # fmt: skip
     print(f"txlm: serving {service.name} at http://{shown}:{port}", flush=True)
     with sock:
         server.run(sockets=[sock])

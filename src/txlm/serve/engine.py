@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from txlm.inference.decode import Decoder
-from txlm.inference.sampling import SamplingConfig, draw_noise, sample
+from txlm.inference.sampling import SamplingConfig, draw_noise, mark_seen, sample, seen_tokens
 from txlm.model.cache import KVCache
 from txlm.serve.errors import APIError
 from txlm.serve.sessions import Session, SessionStore, read_piece
@@ -101,6 +101,7 @@ class Job:
     last: Tensor | None = None  # [R] the rows' last tokens
     generators: list[torch.Generator] = field(default_factory=list)  # one per row
     first: Tensor | None = None  # [R, V] the first tokens' log-probs, until they are drawn
+    seen: Tensor | None = None  # [R, V] bool, with a repetition penalty (Engine._seen)
     cache: KVCache | None = None  # a session job's rows, until they join the batch
     steps: int = 0
     submitted: float = field(default_factory=time.perf_counter)
@@ -389,24 +390,37 @@ class Engine:
     def _draw(self, jobs: list[Job], log_probs: Tensor) -> None:
         """The next token of every row of ``jobs`` from their log-probabilities [B, V]: each
         row with its job's settings and its own generator (one draw per setting)."""
-        groups: dict[SamplingConfig, list[int]] = {}
-        generators: list[torch.Generator] = []
-        for job in jobs:
-            at = len(generators)
-            groups.setdefault(job.sampling, []).extend(range(at, at + job.rows))
-            generators.extend(job.generators)
-        tokens = torch.empty(len(generators), dtype=torch.long, device=log_probs.device)
-        for config, rows in groups.items():
-            noise = None
-            if not config.greedy:  # each row's numbers from its own generator, as alone
-                noise = torch.cat([draw_noise(config, 1, self.vocab_size, generators[r],
-                                              self.device) for r in rows])  # fmt: skip
-            index = torch.tensor(rows, device=log_probs.device)
-            tokens[index] = sample(log_probs[index], config, noise=noise)
+        groups: dict[SamplingConfig, list[tuple[Job, int]]] = {}
         at = 0
         for job in jobs:
-            self._emit(job, tokens[at : at + job.rows], log_probs[at : at + job.rows])
+            groups.setdefault(job.sampling, []).append((job, at))
             at += job.rows
+        tokens = torch.empty(at, dtype=torch.long, device=log_probs.device)
+        for config, members in groups.items():
+            rows = [r for job, start in members for r in range(start, start + job.rows)]
+            noise = seen = None
+            if not config.greedy:  # each row's numbers from its own generator, as alone
+                noise = torch.cat([draw_noise(config, 1, self.vocab_size, g, self.device)
+                                   for job, _ in members for g in job.generators])  # fmt: skip
+            if config.penalised:
+                seen = torch.cat([self._seen(job) for job, _ in members])
+            index = torch.tensor(rows, device=log_probs.device)
+            tokens[index] = sample(log_probs[index], config, noise=noise, seen=seen)
+        at = 0
+        for job in jobs:
+            mine = tokens[at : at + job.rows]
+            if job.seen is not None:
+                mark_seen(job.seen, mine)
+            self._emit(job, mine, log_probs[at : at + job.rows])
+            at += job.rows
+
+    def _seen(self, job: Job) -> Tensor:
+        """bool [R, V]: the tokens each row of ``job`` holds, its prompt's and what it drew
+        (a repetition penalty's history, as ``txlm generate`` keeps it)."""
+        if job.seen is None:
+            rows = [p for p in job.prompts for _ in range(job.n)]
+            job.seen = seen_tokens(rows, self.vocab_size, self.device)
+        return job.seen
 
     def _emit(self, job: Job, tokens: Tensor, log_probs: Tensor) -> None:
         """Hand a job's new tokens out (text, log-probs); rows that end are marked."""

@@ -1,8 +1,11 @@
 """The completions request as the OpenAI API defines it, checked field by field.
 
 Every field is named in the message that refuses it: unknown fields, fields txlm does not
-support (``best_of`` > 1, ``logit_bias``, ``suffix``, penalties), wrong types and caps.
-Extensions: ``top_k`` (default 40, as ``txlm generate``) and ``session``.
+support (``best_of`` > 1, ``suffix``, presence and frequency penalties, a ``logit_bias`` other
+than a ban), wrong types and caps. ``logit_bias`` takes -100 only, which the OpenAI API
+documents as a ban: the token is never drawn. Extensions, named as vLLM names them:
+``top_k`` (default 40, as ``txlm generate``), ``min_p``, ``repetition_penalty`` (CTRL's, over
+the prompt and the text so far, as ``txlm generate --repetition-penalty``) and ``session``.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ DEFAULT_MAX_TOKENS = 16  # the OpenAI API's
 # accepted only at the value that means "off"
 _OFF = {
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
     "suffix": (None, ""),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
 }
 _KNOWN = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-    "stream", "stream_options", "logprobs", "echo", "user", "session", *_OFF,
+    "stream", "stream_options", "logprobs", "echo", "user", "session", "min_p",
+    "repetition_penalty", "logit_bias", *_OFF,
 }  # fmt: skip
 
 
@@ -115,6 +118,24 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
+def _bans(value: Any) -> tuple[int, ...]:
+    """``logit_bias`` {token id: -100}: the ids never drawn (sorted); a bias other than a ban
+    is refused, as is an id that is not one."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("'logit_bias' must be an object of token ids to -100", "logit_bias")
+    ids = set()
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit()):
+            raise bad(f"'logit_bias' keys are token ids, got {key!r}", "logit_bias")
+        if not _is_num(bias) or bias != -100:
+            raise bad(f"'logit_bias' takes only -100 (never draw the token), got {bias!r} for "
+                      f"{key}", "logit_bias")  # fmt: skip
+        ids.add(int(key))
+    return tuple(sorted(ids))
+
+
 def parse_completion(body: Any, limits: ServeConfig) -> CompletionRequest:
     """The checked request, or ``APIError`` (400) naming the field."""
     if not isinstance(body, dict):
@@ -146,11 +167,21 @@ def parse_completion(body: Any, limits: ServeConfig) -> CompletionRequest:
     if top_p is not None and (not _is_num(top_p) or not 0 < top_p <= 1):
         raise bad("'top_p' must be a number in (0, 1]", "top_p")
     top_k = _int(body, "top_k", 40, 1, 2**31, "top_k")
+    min_p = body.get("min_p")
+    if min_p is not None and (not _is_num(min_p) or not 0 <= min_p < 1):
+        raise bad("'min_p' must be a number in [0, 1)", "min_p")
+    penalty = body.get("repetition_penalty")
+    penalty = 1.0 if penalty is None else penalty
+    if not _is_num(penalty) or penalty <= 0:
+        raise bad("'repetition_penalty' must be a number > 0 (1: off)", "repetition_penalty")
     sampling = SamplingConfig(
         top_k=top_k,
         top_p=None if top_p is None or top_p >= 1 else float(top_p),
         temperature=float(temperature) if temperature > 0 else 1.0,
         greedy=temperature == 0,
+        min_p=None if not min_p else float(min_p),
+        repetition_penalty=float(penalty),
+        ban=_bans(body.get("logit_bias")),
     )
     logprobs = _int(body, "logprobs", None, 0, limits.max_logprobs, "--max-logprobs")
     echo = _flag(body, "echo")

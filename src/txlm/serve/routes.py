@@ -136,13 +136,14 @@ def build_router(service: Service) -> APIRouter:
         req = parse_completion(await read_json(request, limits.max_body_bytes), limits)
         prompts = [service.encode(p) for p in req.prompts]
         check_prompt_tokens(sum(len(p) for p in prompts), limits)
+        sampling = service.sampling(req.sampling, prompts)
         if len(prompts) * req.n > limits.max_batch:
             raise bad(f"{len(prompts)} prompt(s) x n {req.n} = {len(prompts) * req.n} rows, over "
                       f"--max-batch {limits.max_batch}", "n")  # fmt: skip
         session = service.sessions.acquire(req.session) if req.session else None
         seed = req.seed if req.seed is not None else random.SystemRandom().randrange(2**31)
         job = Job(
-            prompts=prompts, n=req.n, max_tokens=req.max_tokens, sampling=req.sampling,
+            prompts=prompts, n=req.n, max_tokens=req.max_tokens, sampling=sampling,
             seed=seed, stop=req.stop, logprobs=req.logprobs, echo=req.echo,
             outbox=Outbox(asyncio.get_running_loop()), session=session,
         )  # fmt: skip

@@ -4,6 +4,7 @@ runs it."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -17,7 +18,8 @@ from txlm.checkpoints.convert import text_options
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import TxlmError
-from txlm.inference.prompts import encode_prompt, start_token
+from txlm.inference.prompts import banned_ids, encode_prompt, start_token
+from txlm.inference.sampling import SamplingConfig
 from txlm.serve.config import ServeConfig
 from txlm.serve.engine import Engine
 from txlm.serve.errors import APIError, bad
@@ -56,6 +58,7 @@ class Service:
         self.failed: str | None = None  # why the model did not load
         self.error: Exception | None = None
         self.on_failure = lambda: None  # the command stops its server: one line, exit 2
+        self.on_ready = lambda: None  # the command says so: a second line
         self.model: Any = None
         self.vocab: Any = None
         self.engine: Engine | None = None
@@ -100,6 +103,7 @@ class Service:
         )  # fmt: skip
         self.engine.start()
         self.ready.set()
+        self.on_ready()
 
     def stop(self, *, wait: bool = True) -> None:
         if self.engine is not None:
@@ -138,6 +142,19 @@ class Service:
             raise bad(f"'{field}' has {unknown} symbol(s) the vocabulary lacks (and it has no "
                       "<unk>)", field)  # fmt: skip
         return ids
+
+    def sampling(self, sampling: SamplingConfig, prompts: list[list[int]]) -> SamplingConfig:
+        """A request's settings with its bans checked against the vocabulary and ``<unk>``
+        banned as ``txlm generate`` bans it: unless every prompt holds it."""
+        vocab_size = self.ckpt.model_config.vocab_size
+        ban = sampling.ban
+        if ban and ban[-1] >= vocab_size:
+            raise bad(f"'logit_bias' holds token id {ban[-1]}, outside the vocabulary "
+                      f"[0, {vocab_size})", "logit_bias")  # fmt: skip
+        ban = tuple(sorted({*ban, *banned_ids(self.vocab, None, prompts)}))
+        if len(ban) >= vocab_size:
+            raise bad("'logit_bias' bans every token of the vocabulary", "logit_bias")
+        return dataclasses.replace(sampling, ban=ban)
 
     def decode(self, ids: list[int]) -> str:
         return "" if self.vocab is None else self.vocab.decode(ids)
