@@ -311,25 +311,27 @@ def test_end_of_training_sample_reads_prompts_as_the_cli(word_ckpt, capsys, prom
 
 
 def test_compile_flag_compiles_the_step_and_keeps_the_text(char_ckpt, capsys, monkeypatch):
-    """``--compile`` runs the decoding step through torch.compile (fullgraph, static shapes)
-    and samples the same ids. The backend is swapped for "aot_eager" here: the same tracing
-    (a graph break would fail), without inductor's minute of code generation on a CPU."""
+    """``--compile`` (on) runs the decoding step through torch.compile (fullgraph, static
+    shapes) and samples the same ids; ``auto`` (the default) and ``off`` do not compile
+    here. The backend is swapped for "aot_eager": the same tracing (a graph break would
+    fail), without inductor's minute of code generation on a CPU."""
     real_compile = torch.compile
     calls: list[dict] = []
 
-    def fast_compile(fn, **kwargs):
-        calls.append(kwargs)
+    def fast_compile(fn, options=None, **kwargs):
+        calls.append({**kwargs, "options": options})
         return real_compile(fn, **{**kwargs, "backend": "aot_eager", "mode": None})
 
     monkeypatch.setattr(torch, "compile", fast_compile)
     argv = ["generate", str(char_ckpt), "--prompt", "abc", "--seed", "3", "--json"]
     argv += ["--max-new-tokens", "40"]
     ids = {}
-    for extra in ([], ["--compile"]):
+    for extra in ([], ["--compile"], ["--compile", "off"]):  # (auto: eager for 40 tokens)
         assert main([*argv, *extra]) == 0
-        ids[bool(extra)] = json.loads(capsys.readouterr().out)["sample_ids"]
-    assert ids[True] == ids[False]
-    assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor")]
+        ids[" ".join(extra)] = json.loads(capsys.readouterr().out)["sample_ids"]
+    assert ids["--compile"] == ids[""] == ids["--compile off"]
+    cpp = {"cpp_wrapper": True, "freezing": False}  # the CPU's compiled step: one C++ function
+    assert calls == [dict(fullgraph=True, dynamic=False, backend="inductor", options=cpp)]
 
 
 def test_prompt_file_with_several_samples_prints_the_prompt_once(char_ckpt, tmp_path, capsys):

@@ -32,6 +32,7 @@ import torch
 
 import txlm
 from txlm.config import ModelConfig
+from txlm.inference.compiled import StepCompile
 from txlm.inference.decode import Decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -65,7 +66,7 @@ def test_compiled_decoding_step_runs_within_the_kernel_budget_and_equals_eager()
     prompt = torch.randint(0, 600, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
         eager = Decoder(model)
-        compiled = Decoder(model, compile=True, cuda_graph=False)
+        compiled = Decoder(model, compile=StepCompile(), cuda_graph=False)
         want, got = eager.prefill([prompt]), compiled.prefill([prompt])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
         ids = want.argmax(-1)
@@ -95,7 +96,7 @@ def test_the_step_partitioned_for_a_gpu_runs_ten_kernels_per_layer() -> None:
     model = _model()
     prompt = torch.randint(0, 600, (20,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.no_grad():
-        decoder = Decoder(model, compile=True, cuda_graph=False)
+        decoder = Decoder(model, compile=StepCompile(), cuda_graph=False)
         ids = decoder.prefill([prompt]).argmax(-1)
         with triton_partition():
             codes = compiled_code(decoder._stepper(), ids)

@@ -19,12 +19,13 @@ from typing import Any
 
 import torch
 
-from txlm.checkpoints.checkpoint import Checkpoint
+from txlm.checkpoints.checkpoint import Checkpoint, home
 from txlm.checkpoints.convert import text_options
 from txlm.commands.options import add_device_options, apply_threads
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import ConfigError
+from txlm.inference.compiled import artifacts_in
 from txlm.inference.generate import sample_seeds, stream
 from txlm.inference.prompts import (
     banned_ids,
@@ -117,9 +118,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="end each sample at <eos> (character/byte vocabularies: at a newline)",
     )
     p.add_argument(
-        "--compile", action="store_true",
-        help="torch.compile the decoding step (fused kernels; on CUDA then captured in a CUDA "
-        "graph); it compiles once, before the first token",
+        "--compile", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
+        help="torch.compile the decoding step (on CUDA then captured in a CUDA graph), once "
+        "before the first token, its compiled code kept in TXLM_HOME/inductor; auto (the "
+        "default): only where it measured faster, on a CPU at batch 1 in fp32, for "
+        "--max-new-tokens of at least 12000 (docs/generation.md); --compile alone: on",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)
@@ -158,6 +161,9 @@ class _TextStream:
             self.out.write(text[self.written :])
             self.out.flush()
             self.written = len(text)
+
+
+_COMPILE: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
 
 
 def _read_prompts(args: argparse.Namespace) -> list[str]:
@@ -249,9 +255,11 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
-        stop_id=stop, compile=args.compile, lengths=lengths, int8=args.precision == "int8",
+        stop_id=stop, compile=_COMPILE[args.compile], lengths=lengths,
+        int8=args.precision == "int8",
     )  # fmt: skip
-    with autocast(device, args.precision):  # the generator runs inside: each step too
+    # the generator runs inside: each step too; a compiled step loads from TXLM_HOME next time
+    with autocast(device, args.precision), artifacts_in(home() / "inductor"):
         for t, tokens in enumerate(steps):
             n_new = t + 1
             if first_at is None:

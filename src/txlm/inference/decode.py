@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import types
 from collections.abc import Callable, Sequence
 
@@ -43,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from txlm.errors import ConfigError
+from txlm.inference.compiled import StepCompile, bucket, pad, step_compile
 from txlm.inference.precision import narrow_linear, narrowed
 from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
@@ -69,8 +69,12 @@ class Decoder:
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
-    ``torch.compile(fullgraph=True, dynamic=False)`` (a string names the backend, e.g.
-    "aot_eager"); ``cuda_graph`` (the default on CUDA): the step captured in a CUDA graph and
+    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: True is
+    inductor as it measured best on the device, a string names the backend, e.g.
+    "aot_eager", a ``StepCompile`` says all), made for the batch's bucket: B rows run the
+    bucket K >= B over a cache padded to K rows, the padding's outputs dropped, so rows that
+    join or leave within a bucket compile nothing; ``cuda_graph`` (the default on CUDA): the
+    step captured in a CUDA graph and
     replayed per token. Both need the static cache: the same shapes and operations every
     step, no host synchronisation. ``cache=False``: no cache, the model's forward over the
     hidden-state memory every step (the reference; ``compile`` and ``cuda_graph`` are the
@@ -115,13 +119,13 @@ class Decoder:
         half = dtype in (torch.float16, torch.bfloat16)
         cpu_half = half and self.device.type == "cpu" and self.weight_dtype == torch.float32
         self.cache_dtype = torch.float32 if cpu_half else dtype
-        self.compile = compile if cache else False
+        self.compile = step_compile(compile, self.device) if cache else None
         # A compiled step is captured too: inductor's own graphs ("reduce-overhead") refuse a
         # step that writes into the cache it is given, while a manual capture of the compiled
         # step replays its fused kernels as one launch.
         graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.cuda_graph = cache and graph
-        self.static = bool(self.compile) or self.cuda_graph
+        self.static = self.compile is not None or self.cuda_graph
         self.score_dtype = torch.float32 if half else dtype  # the output layer's (upcast)
         # what the cached calls run: the model, or it with its projections in bf16 or int8
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
@@ -196,11 +200,19 @@ class Decoder:
 
         def run() -> Tensor:
             # (inside the call: the cache narrowed by the first step is an inference tensor too)
+            noise = self._noise(sampling, generator, ids.size(0))
             if not self.cached:
-                step = functools.partial(self._token, sampling=sampling)
-            else:
-                step = self._stepper(sampling)
-            return step(ids, self._noise(sampling, generator, ids.size(0)))
+                return self._token(ids, noise, sampling)
+            step = self._stepper(sampling)
+            if self.compile is None:
+                return step(ids, noise)
+            # the bucket's batch (txlm.inference.compiled): padding rows, their outputs dropped
+            assert self.cache is not None
+            rows = ids.size(0)
+            if rows != self.cache.rows:
+                raise ValueError(f"{rows} ids for a cache of {self.cache.rows} rows")
+            self.cache.pad_rows(bucket(rows))
+            return step(pad(ids, self.cache.batch), pad(noise, self.cache.batch))[:rows]
 
         return self._call(run)
 
@@ -339,23 +351,24 @@ class Decoder:
             def fn(ids: Tensor, noise: Tensor | None = None) -> Tensor:
                 return self._token(ids, noise, sampling)
 
-            if self.compile:  # True: inductor; a string (or a callable) names another backend
-                backend = "inductor" if self.compile is True else self.compile
-                fn = torch.compile(
-                    own_code(fn, sampling), fullgraph=True, dynamic=False, backend=backend
-                )
+            if self.compile is not None:
+                fn = self.compile(own_code(fn, (sampling, self.compile)))
             if self.cuda_graph:
                 fn = graphed(fn)
             self._steps[sampling] = fn
         return fn
 
 
-# one code object per sampling setting (None: the log-probabilities step), see ``own_code``
-_STEP_CODE: dict[SamplingConfig | None, types.CodeType] = {}
+# one code object per sampling setting (None: the log-probabilities step) and way of
+# compiling, see ``own_code``
+_STEP_CODE: dict[tuple[SamplingConfig | None, StepCompile], types.CodeType] = {}
 
 
-def own_code(fn: Callable[..., Tensor], sampling: SamplingConfig | None) -> Callable[..., Tensor]:
-    """``fn`` with the code object kept for ``sampling``: what ``torch.compile`` is given.
+def own_code(
+    fn: Callable[..., Tensor], key: tuple[SamplingConfig | None, StepCompile]
+) -> Callable[..., Tensor]:
+    """``fn`` with the code object kept for ``key``, a sampling setting and a way of
+    compiling: what ``torch.compile`` is given.
     Dynamo keeps the graphs it compiles per code object, at most ``recompile_limit`` (8),
     and a ``fullgraph`` step fails past them. Every step function is a closure of one
     function, so it shares its code object with every other setting's (a distinct closure
@@ -363,7 +376,7 @@ def own_code(fn: Callable[..., Tensor], sampling: SamplingConfig | None) -> Call
     process would fail; with one per setting, decoders of the same setting still reuse each
     other's graphs (the guards pass for the same model and shapes) and each setting has its
     own eight. Raising the limit instead would be a global setting of torch's."""
-    code = _STEP_CODE.setdefault(sampling, fn.__code__.replace())  # equal, distinct
+    code = _STEP_CODE.setdefault(key, fn.__code__.replace())  # equal, distinct
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 

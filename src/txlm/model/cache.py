@@ -137,10 +137,17 @@ class KVCache:
         self._stale = False  # eager caches: pos / next_pos lag ``written`` (see _sync)
         self._slot_ids = torch.arange(self.slots, device=device)
         self.layer_ids = torch.arange(n_layer, device=device)  # index tensors (CacheStep.update)
+        self.padding = 0  # rows at the end that hold no sequence (``pad_rows``)
 
     @property
     def batch(self) -> int:
+        """Rows held, padding included."""
         return self.kv.size(2)
+
+    @property
+    def rows(self) -> int:
+        """Rows that hold a sequence: the first ``batch - padding``."""
+        return self.kv.size(2) - self.padding
 
     def ensure_tables(self, build: Callable[[int, int], list[Tensor]]) -> list[Tensor]:
         """Per layer [H, S, Dh] position keys of distances 0 .. S-1 clamped at the cache's
@@ -277,6 +284,7 @@ class KVCache:
         new.open_doc.copy_(self.open_doc)
         new.next_pos.copy_(self.next_pos)
         new.per_row = self.per_row
+        new.padding = self.padding
         if self.tables is not None and new.slots <= self.slots:  # distances 0 .. S'-1: a prefix
             new.tables = [t[:, : new.slots].contiguous() for t in self.tables]
         return new
@@ -285,17 +293,38 @@ class KVCache:
         """Each row becomes ``repeats`` consecutive rows (row b's copies: b * repeats ..), its
         keys, values and document state with it: a prompt read once, decoded as several
         samples. Positions and tables are shared by all rows and stay."""
+        self._unpad()
         self.kv = self.kv.repeat_interleave(repeats, dim=2)  # [N, 2, B, H, S, Dh]
         self.doc = self.doc.repeat_interleave(repeats, dim=0)
         self.open_doc = self.open_doc.repeat_interleave(repeats, dim=0)
 
     def keep_rows(self, index: Tensor) -> None:
-        """Keep only the rows ``index`` [B'] (in that order), their keys, values and
-        document state: rows that leave a batch. Positions and tables are shared and stay."""
+        """Keep only the rows ``index`` [B'] (in that order; rows holding a sequence, padding
+        dropped), their keys, values and document state: rows that leave a batch. Positions
+        and tables are shared and stay."""
         index = index.to(self.kv.device)
         self.kv = self.kv.index_select(2, index)
         self.doc = self.doc.index_select(0, index)
         self.open_doc = self.open_doc.index_select(0, index)
+        self.padding = 0
+
+    def pad_rows(self, batch: int) -> None:
+        """Hold ``batch`` rows, the ones past ``rows`` padding: copies of row 0 (a sequence
+        like any other, so a step over them is finite; rows never mix, so they change no real
+        row's result, and their outputs are to be dropped). What a step compiled for a batch
+        of ``batch`` rows runs over (txlm.inference.compiled: batch buckets)."""
+        rows = self.rows
+        if batch == self.batch:
+            return
+        if not rows <= batch:
+            raise ValueError(f"{rows} rows do not fit a padded batch of {batch}")
+        index = torch.arange(batch, device=self.kv.device)
+        self.keep_rows(index.masked_fill(index >= rows, 0))
+        self.padding = batch - rows
+
+    def _unpad(self) -> None:
+        if self.padding:
+            self.keep_rows(torch.arange(self.rows, device=self.kv.device))
 
     def splice(self, other: KVCache) -> None:
         """Append ``other``'s rows to this cache, their memory aligned to this cache's
@@ -310,6 +339,8 @@ class KVCache:
         the same lengths, dtype and device."""
         if other.slots != self.slots or other.lengths != self.lengths:
             raise ValueError("splice needs caches of the same lengths and slots")
+        self._unpad()
+        other._unpad()
         self._sync()
         other._sync()
         t, u, m = int(self.next_pos), int(other.next_pos), other.length
