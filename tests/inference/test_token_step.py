@@ -103,9 +103,10 @@ def test_compiled_token_step_draws_the_eager_and_full_softmax_tokens(name: str) 
     # cuts the rarest cluster here)
 
 
-@pytest.mark.parametrize("name", ["top_k", "plain"])
-def test_inductor_token_step_draws_the_same_tokens(name: str) -> None:
-    _check(True, name, steps=60)  # compile=True: on a CPU inductor's C++ wrapper
+def test_inductor_token_step_draws_the_same_tokens() -> None:
+    # compile=True: on a CPU inductor's C++ wrapper; top-k: the pruned draw (the other
+    # settings' graphs are proven under aot_eager above)
+    _check(True, "top_k", steps=60)
 
 
 @pytest.mark.parametrize("name", ["greedy", "top_k", "plain"])
