@@ -121,8 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--compile", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
         help="torch.compile the decoding step (on CUDA then captured in a CUDA graph), once "
         "before the first token, its compiled code kept in TXLM_HOME/inductor; auto (the "
-        "default): only where it measured faster, on a CPU at batch 1 in fp32, for "
-        "--max-new-tokens of at least 12000 (docs/generation.md); --compile alone: on",
+        "default): only where it measured faster than the eager step, which on a CPU it "
+        "did not (docs/generation.md); --compile alone: on",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)

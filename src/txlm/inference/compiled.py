@@ -67,13 +67,6 @@ class StepCompile:
 # On CUDA inductor's defaults (then captured in a CUDA graph by the decoder).
 CPU_DEFAULT = StepCompile(cpp_wrapper=True)
 
-# ``compile="auto"`` (``choose``): where the compiled step measured faster than the eager one
-# on a CPU (fp32, 1 thread: batch 1, about 1.1x; batch 16 not faster), and the steps it takes
-# to earn back loading it from inductor's cache in a new process (about 5 s of CPU time at
-# a saving of about 0.4 ms a step). Everywhere else the eager step.
-AUTO_BUCKETS = (1,)
-AUTO_MIN_STEPS = 12_000
-
 
 def step_compile(
     compile: bool | str | Callable | StepCompile | None, device: torch.device
@@ -98,15 +91,12 @@ def pad(x: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     return torch.cat([x, x[:1].expand(batch - x.size(0), *x.shape[1:])])
 
 
-def choose(
-    compile: bool | str, device: torch.device, rows: int, steps: int, *, fp32: bool
-) -> bool | str:
-    """``compile`` with "auto" decided (see ``AUTO_BUCKETS``): compiled on a CPU, in float32,
-    for a batch whose bucket measured faster, decoding at least ``AUTO_MIN_STEPS`` steps."""
-    if compile != "auto":
-        return compile
-    cpu = device.type == "cpu"
-    return cpu and fp32 and bucket(rows) in AUTO_BUCKETS and steps >= AUTO_MIN_STEPS
+def choose(compile: bool | str) -> bool | str:
+    """``compile`` with "auto" decided: where the compiled step measured faster than the
+    eager one and paid back its set-up. On this project's CPU it measured no faster at batch
+    1 or 16 (docs/performance-cpu.md), and a GPU's step is replayed from a CUDA graph
+    without it, so "auto" is the eager step on both."""
+    return False if compile == "auto" else compile
 
 
 @contextlib.contextmanager

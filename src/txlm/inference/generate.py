@@ -121,8 +121,8 @@ def stream(
     stop strings on the text and close the stream). The ids come back on
     the CPU; the next step is already queued on the device when they are read.
     ``compile``: run the decoding step under ``torch.compile`` (see
-    ``txlm.inference.decode.Decoder``); "auto": where it measured faster and the steps pay
-    back loading it (``txlm.inference.compiled.choose``).
+    ``txlm.inference.decode.Decoder``); "auto": where it measured faster
+    (``txlm.inference.compiled.choose``).
     ``lengths``: the attention lengths to decode with (None: the model's).
     ``int8``: the decoder's layers and output head with int8 weights (weight-only, per row:
     txlm.inference.precision).
@@ -146,11 +146,7 @@ def stream(
         )
     if len(sampling.ban) >= vocab:
         raise ConfigError("every token of the vocabulary is banned")
-    weight = next(model.parameters())
-    fp32 = weight.dtype == torch.float32 and not int8
-    fp32 = fp32 and not torch.is_autocast_enabled(weight.device.type)
-    rows_decoded = len(rows) * num_samples
-    compile = choose(compile, weight.device, rows_decoded, max_new_tokens, fp32=fp32)
+    compile = choose(compile)
     decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile, int8=int8)
     generators = generator
     if generators is None:
