@@ -19,6 +19,7 @@ CASES: list[Case] = [
     Case("recl-missing-checkpoints", ["recl", "nope-a", "nope-b"], "nope-a"),
     Case("attention-missing-checkpoint", ["attention", "nope"], "nope"),
     Case("ablate-unknown-preset", ["ablate", "--preset", "huge"], "huge"),
+    Case("bench-zero-threads", ["bench", "eval-speed", "--threads", "0"], "--threads"),
     Case("unknown-command", ["frobnicate"], "frobnicate"),
 ]
 

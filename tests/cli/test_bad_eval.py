@@ -93,6 +93,12 @@ CASES: list[Case] = [
         uses=("corpus.txt", "data", "run"),
     ),
     Case(
+        "eval-file-zero-threads",
+        ["eval", "run/best", "--file", "corpus.txt", "--threads", "0"],
+        "--threads",
+        uses=("corpus.txt", "data", "run"),
+    ),
+    Case(
         "eval-negative-mem-len",
         ["eval", "run/best", "--mem-len", "-1"],
         "mem-len",

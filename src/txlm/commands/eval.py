@@ -77,6 +77,7 @@ def _positive(name: str, value: int | None, minimum: int = 1) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_threads(args)
     if args.file is not None:  # any text file instead of a prepared split
         return eval_file.run(args)
 
@@ -91,7 +92,6 @@ def run(args: argparse.Namespace) -> int:
     _positive("mem-len", args.mem_len, 0)
     _positive("batch-size", args.batch_size)
     _positive("max-steps", args.max_steps)
-    apply_threads(args)
     device = resolve_device(args.device)
     check_precision(args.precision, device)
 

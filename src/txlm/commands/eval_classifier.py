@@ -18,7 +18,6 @@ _LM_ONLY = ("tgt_len", "mem_len", "clamp_len", "same_length", "max_steps")
 
 
 def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
-    import torch
 
     from txlm.checkpoints.dataset import dataset_of
     from txlm.classify.classes import open_classes
@@ -32,10 +31,6 @@ def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
         raise ConfigError(f"{', '.join(given)}: not options of a classifier's evaluation")
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
     saved = ckpt.data
     train = saved.get("train") or {}
     ref = dataset_of(ckpt, dataset=args.dataset)

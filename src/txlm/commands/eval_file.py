@@ -41,9 +41,6 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name, None)
         if value is not None and value < minimum:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
-    threads = getattr(args, "threads", None)
-    if threads is not None:
-        torch.set_num_threads(threads)
     device = resolve_device(getattr(args, "device", "auto"))
     ckpt = Checkpoint.open(args.checkpoint)
     lengths = ckpt.lengths(

@@ -13,7 +13,7 @@ import torch
 
 from txlm.atomic import write_json
 from txlm.checkpoints.checkpoint import Checkpoint
-from txlm.commands.options import add_device_options
+from txlm.commands.options import add_device_options, apply_threads
 from txlm.data import open_corpus
 from txlm.devices import resolve_device
 from txlm.errors import DataError
@@ -60,8 +60,7 @@ def add_text(p: argparse.ArgumentParser) -> None:
 
 # -- running -----------------------------------------------------------------------------------
 def setup(args: argparse.Namespace) -> torch.device:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     return resolve_device(args.device)
 
 
