@@ -162,7 +162,7 @@ def test_bf16_decoder_follows_the_reference(name: str) -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         dec = Decoder(model)
         got = _decode(dec, prompt, cont)
-    assert dec.net.layers[0].attn.qkv.weight_t.dtype == torch.bfloat16
+    assert dec.net.layers[0].attn.qkv.held.dtype == torch.bfloat16
     assert dec.cache.kv.dtype == torch.float32
     assert model.layers[0].attn.qkv.weight.dtype == torch.float32  # the model is unchanged
     ref = reference_log_probs(model, prompt, cont)
@@ -308,7 +308,7 @@ def test_bf16_autocast_decoding_holds_weights_in_bf16() -> None:
             with casts if i == 20 else contextlib.nullcontext():
                 rows.append(dec.step(torch.tensor([tok]))[0])
     got = torch.stack(rows)
-    assert dec.net.layers[0].attn.qkv.weight_t.dtype == torch.bfloat16  # a bf16 copy, made once
+    assert dec.net.layers[0].attn.qkv.held.dtype == torch.bfloat16  # a bf16 copy, made once
     assert dec.cache.kv.dtype == torch.float32  # CPU: one-query attention stays float32
     layer = model.layers[0]
     linears = (layer.attn.qkv, layer.attn.out, layer.ff.fc1, layer.ff.fc2)

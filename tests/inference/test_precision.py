@@ -11,7 +11,13 @@ import torch
 
 from tests.helpers.models import debug_model
 from txlm.inference.decode import Decoder
-from txlm.inference.precision import Int8Linear, int8_matmul, narrowed, quantize_int8
+from txlm.inference.precision import (
+    Int8Linear,
+    RowLinear,
+    int8_matmul,
+    narrowed,
+    quantize_int8,
+)
 
 from .test_cache import cached_log_probs
 
@@ -63,3 +69,30 @@ def test_narrowed_shares_every_tensor_but_the_projections() -> None:
     rows = torch.randn(5, model.config.d_model)
     fc1 = model.layers[0].ff.fc1
     torch.testing.assert_close(narrowed(model, "fp32").layers[0].ff.fc1(rows), fc1(rows))
+
+
+@pytest.mark.parametrize(
+    ("out", "inn", "transposed"), [(48, 16, True), (16, 16, True), (16, 48, False)]
+)
+@pytest.mark.parametrize("bias", [True, False])
+def test_row_linear_holds_the_longer_axis_contiguous_and_multiplies_as_linear(
+    out: int, inn: int, transposed: bool, bias: bool
+) -> None:
+    g = torch.Generator().manual_seed(2)
+    linear = torch.nn.Linear(inn, out, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out, inn, generator=g))
+        if bias:
+            linear.bias.copy_(torch.randn(out, generator=g))
+    row = RowLinear(linear, torch.float32)
+    assert row.transposed is transposed
+    assert row.held.is_contiguous() and row.held.size(-1) == (out if transposed else inn)
+    x = torch.randn(3, inn, generator=g)
+    torch.testing.assert_close(row(x), linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_decoders_head_is_held_for_one_product_in_its_precision() -> None:
+    model = debug_model(std=0.1)
+    head = Decoder(model).head
+    assert isinstance(head, RowLinear) and head.transposed  # V >= D: rows of V entries
+    assert Decoder(model, dtype=torch.bfloat16).head.held.dtype == torch.bfloat16

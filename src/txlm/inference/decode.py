@@ -148,7 +148,7 @@ class Decoder:
             head = nn.Linear(weight.size(1), weight.size(0), device=self.device, dtype=dtype)
             head.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
             head.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
-            self.head = narrow_linear(head, "int8") if int8 else head
+            self.head = narrow_linear(head, precision)
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
         self.mem_mask: Tensor | None = None

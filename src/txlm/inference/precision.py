@@ -7,7 +7,7 @@ attention's qkv and output, the feed-forward's two) replaced by modules that hol
 in that form; everything else (embedding, position projections, LayerNorms, u and v, the
 output layer) is the model's own tensors, shared, not copied. The model itself is not changed.
 
-    "fp32"  the weights as they are, held transposed for one library product a call
+    "fp32"  the weights as they are, held with their longer axis contiguous (RowLinear)
     "bf16"  bf16 weights; inputs cast to bf16, products accumulated in float32 by the kernel
     "int8"  weight-only int8 (one float scale per output row, symmetric), the product
             ``torch.ops.aten._weight_int8pack_mm`` (what torchao's int8 weight-only
@@ -21,6 +21,7 @@ import copy
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from txlm.errors import ConfigError
@@ -32,20 +33,26 @@ HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}  # (fp16: a CUDA decoder'
 
 
 class RowLinear(nn.Module):
-    """``nn.Linear`` for rows [N, in], its weight held as W^T [in, out] in ``dtype`` (the
-    input cast to it): one library product a call (``mm``, or ``addmm`` with the bias), where
-    ``F.linear`` makes a transposed view and a dispatch through ``matmul`` first. A decoding
-    step makes a few hundred calls of a few microseconds each: what bounds it at batch 1."""
+    """``nn.Linear`` for rows [N, in], its weight held in ``dtype`` (the input cast to it)
+    with its longer axis contiguous: W^T [in, out] when out >= in, one ``mm`` (``addmm``
+    with the bias) a call, else W [out, in] as it is (``F.linear``). A decoding step's few
+    rows stream each weight from memory once, and the CPU's library product reads a weight
+    at close to the memory's rate only along long contiguous rows: with 256-entry rows it
+    reads at a third of that rate (docs/performance-cpu.md, "The decoding step's products")."""
 
     def __init__(self, linear: nn.Linear, dtype: torch.dtype) -> None:
         super().__init__()
-        self.register_buffer("weight_t", linear.weight.detach().t().to(dtype).contiguous())
+        w = linear.weight.detach()
+        self.transposed = w.size(0) >= w.size(1)
+        self.register_buffer("held", (w.t() if self.transposed else w).to(dtype).contiguous())
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        w = self.weight_t
+        w = self.held
         x = x if x.dtype == w.dtype else x.to(w.dtype)
+        if not self.transposed:
+            return F.linear(x, w, self.bias)
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
 
