@@ -218,6 +218,27 @@ def test_eval_file_through_the_cli(char_ckpt, tmp_path) -> None:
     assert missing.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_eval_file_scores_in_the_precision_asked(char_ckpt, tmp_path, capsys, precision) -> None:
+    """``txlm eval CKPT --file F --precision P`` reads the text in P (bf16 autocast; int8
+    layers through the cache): the loss ``txlm.score`` gives in P, near float32's, not it."""
+    f = tmp_path / "t.txt"
+    f.write_text("ROMEO: a cat sat.\n" * 5)
+    argv = ["eval", str(char_ckpt), "--file", str(f), "--tgt-len", "8", "--json", "--threads", "1"]
+    losses = {}
+    for p in ("fp32", precision):
+        assert main([*argv, "--precision", p]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["precision"] == p
+        losses[p] = out["loss"]
+    model, vocab = txlm.load(char_ckpt), Vocab.load(char_ckpt / "vocab.json")
+    lp = score(model, vocab.encode(f.read_text()), tgt_len=8, precision=precision,
+               mem_len=Checkpoint.open(char_ckpt).lengths().mem_len)  # fmt: skip
+    assert losses[precision] == pytest.approx(float(-lp.double().mean()), rel=1e-6)
+    assert losses[precision] != losses["fp32"]
+    assert losses[precision] == pytest.approx(losses["fp32"], rel=0.02)
+
+
 def test_prompt_file_and_max_context(char_ckpt, tmp_path, capsys) -> None:
     f = tmp_path / "prompt.txt"
     f.write_text("ROMEO: a cat sat on a mat. " * 4)  # 108 characters

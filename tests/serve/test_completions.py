@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.serve import TIMEOUT, serving
 from txlm.inference.generate import generate
 from txlm.inference.score import score
+from txlm.serve.config import ServeConfig
 
 PROMPT = "ROMEO: the quick brown fox jumps over the lazy dog, and then"  # > tgt_len + mem_len
 
@@ -140,3 +142,25 @@ def test_stop_strings_end_the_text_before_them(client, offline):
         if c.choices
     )
     assert streamed == cut
+
+
+def test_int8_server_draws_what_an_int8_generate_draws(lm_path, offline):
+    """``--precision int8``: the server's decoder holds int8 layers and head, so a request
+    draws the ids ``txlm generate --precision int8`` draws, and its echoed log-probs are read
+    through the same int8 model: near the float32 ones, not equal to them."""
+    openai = pytest.importorskip("openai")
+    model, vocab, lengths = offline
+    with serving(lm_path, ServeConfig(max_batch=4), precision="int8") as running:
+        assert running.service.engine.decoder.precision == "int8"
+        with openai.OpenAI(base_url=running.url + "/v1", api_key="none", timeout=TIMEOUT,
+                           max_retries=0) as client:  # fmt: skip
+            got = client.completions.create(model="lm", prompt=PROMPT, max_tokens=16, seed=4,
+                                            n=2, echo=True, logprobs=0)  # fmt: skip
+    ids = vocab.encode(PROMPT)
+    want = [vocab.decode(generate(model, ids, max_new_tokens=16, seed=4 + j, lengths=lengths,
+                                  vocab=vocab, int8=True)[0]) for j in range(2)]  # fmt: skip
+    assert [c.text[len(PROMPT) :] for c in got.choices] == want
+    echoed = torch.tensor(got.choices[0].logprobs.token_logprobs[1 : len(PROMPT)])
+    fp32 = score(model, ids, tgt_len=lengths.tgt_len, mem_len=lengths.mem_len)
+    assert (echoed - fp32).abs().max() > 1e-5  # (int8 weights: not the float32 numbers)
+    torch.testing.assert_close(echoed, fp32, atol=0.05, rtol=0)

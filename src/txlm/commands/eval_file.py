@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from txlm.devices import resolve_device
+from txlm.devices import check_precision, resolve_device
 from txlm.errors import ConfigError
 from txlm.resources import STDIN
 
@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < minimum:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     device = resolve_device(getattr(args, "device", "auto"))
+    precision = getattr(args, "precision", "fp32")
+    check_precision(precision, device)
     ckpt = Checkpoint.open(args.checkpoint)
     lengths = ckpt.lengths(
         getattr(args, "tgt_len", None), getattr(args, "mem_len", None),
@@ -56,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         args.file,
         lengths=lengths,
         device=device,
+        precision=precision,
         progress=not quiet and sys.stderr.isatty(),
         data=data,
     )

@@ -33,8 +33,9 @@ def add_device_options(
             default="fp32",
             choices=["fp32", "bf16", "fp16", "int8"],
             help="bf16 | fp16: autocast for the matmuls (fp16: GPU only; a bf16 decoder holds "
-            "its layers' weights in bf16); int8: the layers' and the output head's weights "
-            "quantised to int8 (weight-only, per row), through the K/V cache; default fp32",
+            "its layers' weights in bf16); int8: the layers' weights quantised to int8 "
+            "(weight-only, per row), read through the K/V cache, and a decoder's (generate, "
+            "serve) output head too; default fp32",
         )
     threads_help = "torch CPU threads" + ("; sets run.threads" if in_config else "")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=threads_help)

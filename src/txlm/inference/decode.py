@@ -267,6 +267,14 @@ class Decoder:
         hidden, _, _ = self.net.transform(ids, None, reset, None, cache=self.cache)
         return hidden
 
+    # -- the output layer ---------------------------------------------------------------
+    def log_probs(self, hidden: Tensor) -> Tensor:
+        """The decoder's output layer (its head in its precision) on hidden states [N, D]:
+        log-probabilities [N, V], float32 at least. What a step gives; a server reads a
+        prompt's own log-probabilities through it too."""
+        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
+        return self.softmax.log_prob(hidden, head=self.head)
+
     # -- one token ----------------------------------------------------------------------
     def _output(
         self, hidden: Tensor, sampling: SamplingConfig | None, noise: Tensor | None
@@ -282,9 +290,9 @@ class Decoder:
         or one replayed from a CUDA graph (eagerly, the branch-free form would copy the
         weight it means not to read), nor without a cache (the reference draws from the
         full distribution)."""
-        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         if sampling is None:
-            return self.softmax.log_prob(hidden, head=self.head)
+            return self.log_probs(hidden)
+        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         traced = torch.compiler.is_compiling()
         need = None
         if self.cached and (traced or self.device.type == "cpu"):

@@ -51,6 +51,7 @@ def score(
     mem_len: int | None = None,
     clamp_len: int | None = None,
     same_length: bool | None = None,
+    precision: str = "fp32",
     progress: bool = False,
 ) -> Tensor:
     """log p(x_t | x_<t) for t = 1 .. N-1: float32 [N - 1] (the first token has no context).
@@ -58,6 +59,8 @@ def score(
     ``ids_or_text``: token ids ([N] list / array / tensor) or a string encoded with ``vocab``
     (``Vocab.encode``; its rules for unknown symbols apply). ``lengths`` (None: the model's),
     each of ``tgt_len`` .. ``same_length`` given changing it; the model is left unchanged.
+    ``precision``: "fp32"; "bf16" or "fp16" (autocast); "int8" (the layers' weights in int8,
+    read through the key/value cache: ``stream_segments``).
     """
     ids = _ids(ids_or_text, vocab)
     vocab_size = model.config.vocab_size
@@ -75,7 +78,7 @@ def score(
     lengths = (model.lengths if lengths is None else lengths).replace(
         tgt_len=tgt_len, mem_len=mem_len, clamp_len=clamp_len, same_length=same_length
     )
-    segments = stream_segments(model, ids, lengths=lengths)
+    segments = stream_segments(model, ids, lengths=lengths, precision=precision)
     for seg in segments:
         width = seg.input_ids.size(1)
         out[seg.start : seg.start + width] = -seg.out.losses[0].float().cpu()
@@ -121,6 +124,7 @@ def score_file(
     *,
     lengths: Lengths | None = None,
     device: str | torch.device = "cpu",
+    precision: str = "fp32",
     progress: bool = False,
     data: bytes | None = None,
 ) -> dict[str, Any]:
@@ -128,8 +132,8 @@ def score_file(
 
     ``checkpoint``: a directory or an open ``Checkpoint``. ``lengths`` default to its
     evaluation lengths (``Checkpoint.lengths()``). ``data``: the file's bytes, already read
-    (standard input: ``path`` is its name only). Symbols outside the vocabulary become
-    ``<unk>`` when it has one, else the file is refused.
+    (standard input: ``path`` is its name only). ``precision``: as ``score``'s. Symbols
+    outside the vocabulary become ``<unk>`` when it has one, else the file is refused.
     """
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint.open(checkpoint)
     used = ckpt.lengths() if lengths is None else lengths
@@ -155,7 +159,7 @@ def score_file(
     n_bytes = len(text) if isinstance(text, bytes) else len(text.encode("utf-8"))
 
     began = time.perf_counter()
-    log_probs = score(model, ids, lengths=used, progress=progress)
+    log_probs = score(model, ids, lengths=used, precision=precision, progress=progress)
     seconds = time.perf_counter() - began
     result = summarize(log_probs, tgt_len=used.tgt_len, mem_len=used.mem_len).to_dict()
     from txlm.data.metrics import metric_for_level, metrics
@@ -172,6 +176,7 @@ def score_file(
         loss=result["nll"],
         clamp_len=used.clamp_len,
         same_length=used.same_length,
+        precision=precision,
         unk_tokens=0 if unk is None else int((ids == unk).sum()),
         text_bytes=n_bytes,
         seconds=round(seconds, 4),

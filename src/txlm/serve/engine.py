@@ -139,6 +139,7 @@ class Engine:
         metrics,
         start_id: int | None,
         precision_context: Callable[[], contextlib.AbstractContextManager],
+        int8: bool = False,
         decoder: bool = True,
     ) -> None:
         self.model, self.vocab, self.lengths = model, vocab, lengths
@@ -149,7 +150,7 @@ class Engine:
         if decoder:  # (a classifier's engine only runs calls)
             with precision_context():
                 # eager, no CUDA graph: the batch changes between steps (rows join and leave)
-                self.decoder = Decoder(model, lengths=lengths, cuda_graph=False)
+                self.decoder = Decoder(model, lengths=lengths, cuda_graph=False, int8=int8)
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.batch: KVCache | None = None
@@ -343,17 +344,13 @@ class Engine:
         ]
         echoed: list[tuple[list[float | None], list[dict[int, float] | None]]] = []
         if job.session is not None:
-            reading = read_piece(
-                self.model, self.lengths, self.decoder.cache_dtype, job.session,
-                job.prompts[0], top, self.start_id,
-            )  # fmt: skip
+            reading = read_piece(self.decoder, job.session, job.prompts[0], top, self.start_id)
             echoed.append((reading.chosen, reading.tops))
             job.first, job.cache = reading.next_log_probs, reading.cache
             self.metrics.session_bytes.set(self.sessions.total_bytes)
         elif job.echo:  # the prompts' own log-probs, read as txlm.score reads a text
             for prompt in job.prompts:
-                r = read_piece(self.model, self.lengths, self.decoder.cache_dtype,
-                               Session("echo"), prompt, top, self.start_id)  # fmt: skip
+                r = read_piece(self.decoder, Session("echo"), prompt, top, self.start_id)
                 echoed.append((r.chosen, r.tops))
         job.texts = [RowText(self.vocab, p, job.stop) for p in job.prompts for _ in range(job.n)]
         job.finish = [None] * job.rows

@@ -99,7 +99,7 @@ class Service:
             max_queue=self.config.max_queue, sessions=self.sessions, metrics=self.metrics,
             start_id=start, precision_context=functools.partial(
                 autocast, self.device, self.precision),
-            decoder=self.task == "lm",
+            int8=self.precision == "int8", decoder=self.task == "lm",
         )  # fmt: skip
         self.engine.start()
         self.ready.set()

@@ -20,12 +20,16 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from txlm.model.cache import KVCache
 from txlm.serve.errors import APIError
+
+if TYPE_CHECKING:
+    from txlm.inference.decode import Decoder
 
 _FORGOTTEN = 4096  # evicted ids remembered, to say "evicted" rather than "unknown"
 
@@ -155,11 +159,13 @@ class Reading:
     cache: KVCache
 
 
-def read_piece(model, lengths, cache_dtype, session: Session, piece: list[int],
-               top: int, start_id: int | None) -> Reading:  # fmt: skip
+def read_piece(decoder: Decoder, session: Session, piece: list[int], top: int,
+               start_id: int | None) -> Reading:  # fmt: skip
     """Read ``piece`` after the session's text (see the module's docstring), updating the
-    session's memory, its last output and its tail. ``top``: alternatives per token (0:
-    none). Run in inference mode by the engine."""
+    session's memory, its last output and its tail: through the decoder's model (its layers
+    in the decoder's precision) and its output layer, as the decoder's own steps are read.
+    ``top``: alternatives per token (0: none). Run in inference mode by the engine."""
+    model, lengths, cache_dtype = decoder.net, decoder.lengths, decoder.cache_dtype
     tgt = lengths.tgt_len
     ids = session.tail + piece
     if not ids and session.last_hidden is None:  # an empty first piece: the start token
@@ -167,7 +173,7 @@ def read_piece(model, lengths, cache_dtype, session: Session, piece: list[int],
             raise APIError(400, "empty prompt, and the vocabulary has no symbol to start from",
                            "prompt")  # fmt: skip
         piece = ids = [start_id]
-    device = next(model.parameters()).device
+    device = decoder.device
     cache = session.cache
     if cache is None:
         cache = model.new_cache(1, lengths=lengths, dtype=cache_dtype, static=False)
@@ -200,7 +206,7 @@ def read_piece(model, lengths, cache_dtype, session: Session, piece: list[int],
     predicting = outputs[lo : len(ids) - shift]
     targets = ids[len(ids) - len(predicting) :]
     for a in range(0, len(predicting), tgt):  # a segment's log-probs at a time: [tgt, V]
-        log_probs = model.softmax.log_prob(predicting[a : a + tgt]).float()
+        log_probs = decoder.log_probs(predicting[a : a + tgt]).float()
         picked = torch.tensor(targets[a : a + tgt], device=device)
         chosen += log_probs.gather(1, picked[:, None])[:, 0].tolist()
         if top:
@@ -209,7 +215,7 @@ def read_piece(model, lengths, cache_dtype, session: Session, piece: list[int],
                                                                    strict=True)]  # fmt: skip
         else:
             tops += [None] * len(picked)
-    next_log_probs = model.softmax.log_prob(outputs[-1:]).float()
+    next_log_probs = decoder.log_probs(outputs[-1:]).float()
     session.cache, session.last_hidden = cache, last_whole
     session.tail = ids[whole:]
     session.tokens += len(piece)
