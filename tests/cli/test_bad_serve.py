@@ -38,6 +38,7 @@ CASES: list[Case] = [
     Case("serve-empty-api-key", [*SERVE, "--api-key", ""], "api key", uses=("ckpt",)),
     Case("serve-threads-zero", [*SERVE, "--threads", "0"], "--threads", uses=("ckpt",)),
     Case("serve-fp16-on-cpu", [*SERVE, "--precision", "fp16"], "fp16", uses=("ckpt",)),
+    Case("serve-compile-unknown", [*SERVE, "--compile", "always"], "--compile", uses=("ckpt",)),
 ]
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.helpers.serve import TIMEOUT, serving
+from txlm.inference.compiled import StepCompile, bucket
 from txlm.inference.generate import generate
 from txlm.serve.config import ServeConfig
 
@@ -42,10 +44,23 @@ def _offline(offline, prompt, max_tokens, settings, n, seed):
     ]  # fmt: skip
 
 
-def test_concurrent_rows_equal_each_request_alone(lm_path, offline):
-    # 8 rows at a time: the later requests wait and join as earlier ones leave
+@pytest.mark.parametrize("compile", ["off", "compiled"])
+def test_concurrent_rows_equal_each_request_alone(lm_path, offline, compile, request):
+    """8 rows at a time: the later requests wait and join as earlier ones leave. Compiled
+    (``--compile on``; here dynamo's graph run as traced, what inductor would be given), the
+    batch runs its bucket, the padding rows' outputs dropped: the same texts, and rows that
+    join or leave within a bucket trace nothing: one graph per bucket."""
+    step, graphs = False, []
+    if compile == "compiled":
+        request.getfixturevalue("fresh_dynamo")
+
+        def backend(gm, example_inputs):  # the traced step run as it is (eagerly), counted
+            graphs.append(gm)
+            return gm.forward
+
+        step = StepCompile(backend=backend)
     with (
-        serving(lm_path, ServeConfig(max_batch=8)) as s,
+        serving(lm_path, ServeConfig(max_batch=8), compile=step) as s,
         httpx.Client(base_url=s.url, timeout=TIMEOUT) as http,
     ):
         engine = s.engine
@@ -76,6 +91,9 @@ def test_concurrent_rows_equal_each_request_alone(lm_path, offline):
         assert got == _offline(offline, prompt, max_tokens, settings, n, 100 + i), i
     assert max(sizes) == 8  # the batch was full
     assert len(set(sizes)) > 2  # rows joined and left between steps
+    if step:  # every step ran its batch's bucket, padded: a graph per bucket
+        assert any(n != bucket(n) for n in sizes)
+        assert len(graphs) == len({bucket(n) for n in sizes}) > 1
 
 
 def test_a_client_that_goes_away_frees_its_row(server, http):

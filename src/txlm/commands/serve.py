@@ -32,6 +32,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="require Authorization: Bearer KEY on /v1 and /metrics (default: $TXLM_API_KEY)",
     )  # fmt: skip
     add_device_options(p, precision=True)
+    p.add_argument(
+        "--compile", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
+        help="torch.compile the decoding step for each batch bucket (1, 2, 4, .. rows), its "
+        "compiled code kept in TXLM_HOME/inductor; auto (the default): only where it "
+        "measured faster than the eager step, which on a CPU it did not (docs/generation.md)",
+    )  # fmt: skip
     d = ServeConfig()
     caps = [
         ("--max-batch", "max_batch", "rows decoded together"),
@@ -62,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from txlm.checkpoints.checkpoint import home
+    from txlm.inference.compiled import artifacts_in
     from txlm.serve.application import create_app
     from txlm.serve.service import Service
 
@@ -78,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     service = Service(
         args.checkpoint, config, device=args.device, precision=args.precision,
+        compile={"on": True, "off": False, "auto": "auto"}[args.compile],
         tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len, name=args.name,
     )  # fmt: skip
     try:
@@ -93,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     service.on_ready = lambda: print(f"txlm: {service.name} loaded, ready for requests",
                                      flush=True)  # fmt: skip
     print(f"txlm: serving {service.name} at http://{shown}:{port}", flush=True)
-    with sock:
+    with sock, artifacts_in(home() / "inductor"):  # (a compiled step's code, kept)
         server.run(sockets=[sock])
     if service.error is not None:  # the model did not load: the server stopped at once
         if isinstance(service.error, TxlmError):

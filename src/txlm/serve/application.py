@@ -97,6 +97,6 @@ def app(
     config: ServeConfig | None = None,
     **options,
 ) -> FastAPI:
-    """The ASGI app serving ``checkpoint`` (options: ``device``, ``precision``, ``tgt_len``,
-    ``mem_len``, ``clamp_len``, ``name``); run it with uvicorn."""
+    """The ASGI app serving ``checkpoint`` (options: ``device``, ``precision``, ``compile``,
+    ``tgt_len``, ``mem_len``, ``clamp_len``, ``name``); run it with uvicorn."""
     return create_app(Service(checkpoint, config, **options))

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from txlm.inference.compiled import StepCompile, choose
 from txlm.inference.decode import Decoder
 from txlm.inference.sampling import SamplingConfig, draw_noise, mark_seen, sample, seen_tokens
 from txlm.model.cache import KVCache
@@ -140,6 +141,7 @@ class Engine:
         start_id: int | None,
         precision_context: Callable[[], contextlib.AbstractContextManager],
         int8: bool = False,
+        compile: bool | str | StepCompile = "auto",
         decoder: bool = True,
     ) -> None:
         self.model, self.vocab, self.lengths = model, vocab, lengths
@@ -149,8 +151,11 @@ class Engine:
         self.decoder: Decoder | None = None
         if decoder:  # (a classifier's engine only runs calls)
             with precision_context():
-                # eager, no CUDA graph: the batch changes between steps (rows join and leave)
-                self.decoder = Decoder(model, lengths=lengths, cuda_graph=False, int8=int8)
+                # no CUDA graph: the batch changes between steps (rows join and leave); a
+                # compiled step runs the batch's bucket (txlm.inference.compiled), so rows
+                # that join or leave within it compile nothing
+                self.decoder = Decoder(model, lengths=lengths, cuda_graph=False, int8=int8,
+                                       compile=choose(compile))  # fmt: skip
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.batch: KVCache | None = None

@@ -18,6 +18,7 @@ from txlm.checkpoints.convert import text_options
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
 from txlm.errors import TxlmError
+from txlm.inference.compiled import StepCompile
 from txlm.inference.prompts import banned_ids, encode_prompt, start_token
 from txlm.inference.sampling import SamplingConfig
 from txlm.serve.config import ServeConfig
@@ -35,6 +36,7 @@ class Service:
         *,
         device: str = "auto",
         precision: str = "fp32",
+        compile: bool | str | StepCompile = "auto",
         tgt_len: int | None = None,
         mem_len: int | None = None,
         clamp_len: int | None = None,
@@ -47,6 +49,7 @@ class Service:
         self.device = resolve_device(device)
         check_precision(precision, self.device)
         self.precision = precision
+        self.compile = compile
         self.lengths = self.ckpt.lengths(tgt_len, mem_len, clamp_len)
         self.name = name or self.ckpt.path.name
         self.task = self.ckpt.task
@@ -99,7 +102,7 @@ class Service:
             max_queue=self.config.max_queue, sessions=self.sessions, metrics=self.metrics,
             start_id=start, precision_context=functools.partial(
                 autocast, self.device, self.precision),
-            int8=self.precision == "int8", decoder=self.task == "lm",
+            int8=self.precision == "int8", compile=self.compile, decoder=self.task == "lm",
         )  # fmt: skip
         self.engine.start()
         self.ready.set()

@@ -176,7 +176,8 @@ def read_piece(decoder: Decoder, session: Session, piece: list[int], top: int,
     device = decoder.device
     cache = session.cache
     if cache is None:
-        cache = model.new_cache(1, lengths=lengths, dtype=cache_dtype, static=False)
+        # (static for a compiled decoder's step, as its own prefill's: the batch is one kind)
+        cache = model.new_cache(1, lengths=lengths, dtype=cache_dtype, static=decoder.static)
     whole = len(ids) // tgt * tgt
     hidden: list[Tensor] = []
     tensor = torch.tensor(ids, dtype=torch.long, device=device)[None]
