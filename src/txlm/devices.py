@@ -55,6 +55,24 @@ def check_precision(precision: str, device: torch.device) -> None:
         raise ConfigError("precision fp16 needs a GPU; use bf16 on CPU")
 
 
+def precision_note(precision: str, device: torch.device) -> str | None:
+    """A line for the user where ``precision`` runs slower than fp32 on ``device``: bf16 on
+    an x86 CPU without AVX512-BF16, whose bf16 products torch emulates (on such a CPU the
+    decoding step measured 2.2x slower than fp32 at batch 1, docs/performance-cpu.md)."""
+    import platform
+
+    import torch
+
+    if precision != "bf16" or device.type != "cpu":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    if torch.cpu._is_avx512_bf16_supported():
+        return None
+    return ("note: this CPU has no AVX512-BF16 instructions, so bf16 products are emulated "
+            "and run slower than fp32 here")  # fmt: skip
+
+
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
     """Mixed precision: bf16 autocast on CPU and GPU, fp16 on GPU; fp32 runs plain, and so
     does int8 (weight-only int8 layers: txlm.inference.precision)."""

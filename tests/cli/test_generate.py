@@ -123,6 +123,29 @@ def test_bf16_generation_follows_fp32_greedy(char_ckpt, capsys, monkeypatch) -> 
     assert samples["bf16"][:2] == samples["fp32"][:2]
 
 
+@pytest.mark.parametrize("machine, has_bf16, precision, noted", [
+    ("x86_64", False, "bf16", True),  # emulated bf16: slower than fp32, said once
+    ("x86_64", True, "bf16", False),
+    ("x86_64", False, "fp32", False),
+    ("aarch64", False, "bf16", False),  # (the x86 instruction says nothing of an Arm CPU)
+])  # fmt: skip
+def test_bf16_on_a_cpu_that_emulates_it_says_so(
+    char_ckpt, capsys, monkeypatch, machine, has_bf16, precision, noted
+) -> None:
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: has_bf16)
+    argv = ["generate", str(char_ckpt), "--prompt", "ab", "--max-new-tokens", "2", "--json"]
+    assert main([*argv, "--precision", precision]) == 0
+    err = capsys.readouterr().err
+    note = (
+        "txlm: note: this CPU has no AVX512-BF16 instructions, so bf16 products are "
+        "emulated and run slower than fp32 here\n"
+    )
+    assert (note in err) == noted and err.count("AVX512") == noted
+
+
 def test_greedy_with_temperature_zero_is_allowed(char_ckpt, capsys) -> None:
     argv = ["generate", str(char_ckpt), "--prompt", "ab", "--greedy", "--temperature", "0"]
     assert main([*argv, "--max-new-tokens", "3", "--json"]) == 0

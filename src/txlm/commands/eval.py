@@ -13,8 +13,8 @@ import json
 import sys
 
 from txlm.commands import eval_file
-from txlm.commands.options import add_device_options, apply_threads
-from txlm.devices import check_precision, resolve_device
+from txlm.commands.options import add_device_options, apply_threads, use_precision
+from txlm.devices import resolve_device
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     _positive("batch-size", args.batch_size)
     _positive("max-steps", args.max_steps)
     device = resolve_device(args.device)
-    check_precision(args.precision, device)
+    use_precision(args.precision, device)
 
     ckpt = Checkpoint.open(args.checkpoint)
     if ckpt.data.get("task") == "classify":  # accuracy, per-class scores: eval_classifier

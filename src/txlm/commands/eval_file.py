@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from txlm.devices import check_precision, resolve_device
+from txlm.commands.options import use_precision
+from txlm.devices import resolve_device
 from txlm.errors import ConfigError
 from txlm.resources import STDIN
 
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
     device = resolve_device(getattr(args, "device", "auto"))
     precision = getattr(args, "precision", "fp32")
-    check_precision(precision, device)
+    use_precision(precision, device)
     ckpt = Checkpoint.open(args.checkpoint)
     lengths = ckpt.lengths(
         getattr(args, "tgt_len", None), getattr(args, "mem_len", None),

@@ -21,9 +21,9 @@ import torch
 
 from txlm.checkpoints.checkpoint import Checkpoint, home
 from txlm.checkpoints.convert import text_options
-from txlm.commands.options import add_device_options, apply_threads
+from txlm.commands.options import add_device_options, apply_threads, use_precision
 from txlm.data.text import normalize_text
-from txlm.devices import autocast, check_precision, resolve_device
+from txlm.devices import autocast, resolve_device
 from txlm.errors import ConfigError
 from txlm.inference.compiled import artifacts_in
 from txlm.inference.generate import sample_seeds, stream
@@ -200,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     texts = _read_prompts(args)
     device = resolve_device(args.device)
-    check_precision(args.precision, device)
+    use_precision(args.precision, device)
 
     ckpt = Checkpoint.open(args.checkpoint)
     # the lengths of this run only: the model keeps the ones it was built with

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import TYPE_CHECKING
 
-from txlm.devices import DEVICE_HELP
+from txlm.devices import DEVICE_HELP, check_precision, precision_note
+
+if TYPE_CHECKING:
+    import torch
 
 
 def add_device_options(
@@ -39,6 +44,15 @@ def add_device_options(
         )
     threads_help = "torch CPU threads" + ("; sets run.threads" if in_config else "")
     p.add_argument("--threads", type=int, default=None, metavar="N", help=threads_help)
+
+
+def use_precision(precision: str, device: torch.device) -> None:
+    """Refuse a precision ``device`` cannot run (exit 2), and say where it runs slower than
+    fp32 (a line on stderr)."""
+    check_precision(precision, device)
+    note = precision_note(precision, device)
+    if note is not None:
+        print(f"txlm: {note}", file=sys.stderr)
 
 
 def apply_threads(args: argparse.Namespace) -> None:
