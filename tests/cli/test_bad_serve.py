@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.classify import save_classifier, tiny_lm
 from tests.helpers.cli_table import Case, run_case, truncate, txlm_model, write
 
 pytest.importorskip("uvicorn", reason="txlm serve needs the serve extra (fastapi, uvicorn)")
@@ -39,6 +40,12 @@ CASES: list[Case] = [
     Case("serve-threads-zero", [*SERVE, "--threads", "0"], "--threads", uses=("ckpt",)),
     Case("serve-fp16-on-cpu", [*SERVE, "--precision", "fp16"], "fp16", uses=("ckpt",)),
     Case("serve-compile-unknown", [*SERVE, "--compile", "always"], "--compile", uses=("ckpt",)),
+    Case(
+        "serve-int8-classifier",
+        ["serve", "clf", "--port", "0", "--precision", "int8"],
+        "a classifier serves in fp32 or bf16",
+        lambda work: save_classifier(work / "clf", tiny_lm(work / "lm")),
+    ),
 ]
 
 

@@ -17,7 +17,7 @@ from txlm.checkpoints.checkpoint import Checkpoint
 from txlm.checkpoints.convert import text_options
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, check_precision, resolve_device
-from txlm.errors import TxlmError
+from txlm.errors import ConfigError, TxlmError
 from txlm.inference.compiled import StepCompile
 from txlm.inference.prompts import banned_ids, encode_prompt, start_token
 from txlm.inference.sampling import SamplingConfig
@@ -53,6 +53,9 @@ class Service:
         self.lengths = self.ckpt.lengths(tgt_len, mem_len, clamp_len)
         self.name = name or self.ckpt.path.name
         self.task = self.ckpt.task
+        if self.task == "classify" and precision == "int8":
+            raise ConfigError("--precision int8 is a language model's decoder: a classifier "
+                              "serves in fp32 or bf16")  # fmt: skip
         self.created = int(time.time())
         self.metrics = Metrics()
         self.sessions = SessionStore(self.config.max_sessions, self.config.max_session_bytes)
