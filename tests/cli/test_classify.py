@@ -203,6 +203,8 @@ CASES = [
          "not a language model", lambda w: _classifier(w)),
     Case("classify-eval-lm-option", ["eval", "clf", "--kv-cache"],
          "not options of a classifier", lambda w: _classifier(w)),
+    Case("classify-eval-precision", ["eval", "clf", "--precision", "int8"],
+         "--precision int8: not options of a classifier", lambda w: _classifier(w)),
 ]  # fmt: skip
 
 

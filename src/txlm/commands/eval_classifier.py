@@ -27,6 +27,8 @@ def run(args: argparse.Namespace, ckpt: Checkpoint) -> int:
 
     given = [f"--{n.replace('_', '-')}" for n in _LM_ONLY if getattr(args, n) is not None]
     given += [f"--{n.replace('_', '-')}" for n in ("kv_cache", "compile") if getattr(args, n)]
+    if args.precision != "fp32":  # (a classifier's evaluation runs its float32 weights)
+        given.append(f"--precision {args.precision}")
     if given:
         raise ConfigError(f"{', '.join(given)}: not options of a classifier's evaluation")
     if args.batch_size is not None and args.batch_size < 1:
