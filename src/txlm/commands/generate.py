@@ -21,7 +21,7 @@ import torch
 
 from txlm.checkpoints.checkpoint import Checkpoint, home
 from txlm.checkpoints.convert import text_options
-from txlm.commands.options import add_device_options, apply_threads, use_precision
+from txlm.commands.options import COMPILE, add_device_options, apply_threads, use_precision
 from txlm.data.text import normalize_text
 from txlm.devices import autocast, resolve_device
 from txlm.errors import ConfigError
@@ -163,9 +163,6 @@ class _TextStream:
             self.written = len(text)
 
 
-_COMPILE: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
-
-
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt is not None:
         return list(args.prompt)
@@ -255,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
     steps = stream(
         model, prompts, max_new_tokens=args.max_new_tokens, sampling=sampling, seed=seed,
         num_samples=args.num_samples, start_id=start, use_cache=not args.no_cache,
-        stop_id=stop, compile=_COMPILE[args.compile], lengths=lengths,
+        stop_id=stop, compile=COMPILE[args.compile], lengths=lengths,
         int8=args.precision == "int8",
     )  # fmt: skip
     # the generator runs inside: each step too; a compiled step loads from TXLM_HOME next time

@@ -11,6 +11,9 @@ from txlm.devices import DEVICE_HELP, check_precision, precision_note
 if TYPE_CHECKING:
     import torch
 
+# ``--compile auto|on|off`` (generate, serve) as a Decoder's ``compile`` (txlm.inference.compiled)
+COMPILE: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
+
 
 def add_device_options(
     p: argparse.ArgumentParser, *, precision: bool = False, in_config: bool = False

@@ -11,7 +11,7 @@ import os
 import signal
 import socket
 
-from txlm.commands.options import add_device_options, apply_threads, use_precision
+from txlm.commands.options import COMPILE, add_device_options, apply_threads, use_precision
 from txlm.errors import CheckpointError, ConfigError, TxlmError
 from txlm.serve.config import ServeConfig
 
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     apply_threads(args)
     service = Service(
         args.checkpoint, config, device=args.device, precision=args.precision,
-        compile={"on": True, "off": False, "auto": "auto"}[args.compile],
+        compile=COMPILE[args.compile],
         tgt_len=args.tgt_len, mem_len=args.mem_len, clamp_len=args.clamp_len, name=args.name,
     )  # fmt: skip
     use_precision(args.precision, service.device)

@@ -290,9 +290,9 @@ class Decoder:
         or one replayed from a CUDA graph (eagerly, the branch-free form would copy the
         weight it means not to read), nor without a cache (the reference draws from the
         full distribution)."""
+        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         if sampling is None:
             return self.log_probs(hidden)
-        hidden = hidden if hidden.dtype == self.dtype else hidden.to(self.dtype)
         traced = torch.compiler.is_compiling()
         need = None
         if self.cached and (traced or self.device.type == "cpu"):
