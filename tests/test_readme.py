@@ -97,17 +97,28 @@ def txlm_command(args: list[str]) -> tuple[str, argparse.ArgumentParser]:
         args = args[1:]
 
 
-@functools.cache
-def script_help(script: str) -> str:
+_HELP: dict[str, str] = {}  # a benchmark script's --help text, by its path in the repository
+
+
+def script_helps(scripts: list[str]) -> None:
+    """The ``--help`` of each script not yet asked into ``_HELP``, all of them from one
+    interpreter (tests/helpers/script_help.py): one start-up of torch for a page's scripts."""
+    todo = sorted({s for s in scripts if s not in _HELP and (REPO / s).is_file()})
+    if not todo:
+        return
     result = subprocess.run(
-        [sys.executable, str(REPO / script), "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=_env(),
-    )
-    assert result.returncode == 0, f"{script} --help: {result.stderr[-2000:]}"
-    return result.stdout
+        [sys.executable, str(REPO / "tests" / "helpers" / "script_help.py"), *todo],
+        capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    for script, got in json.loads(result.stdout).items():
+        assert got["rc"] == 0, f"{script} --help: exit {got['rc']}: {got['err'][-2000:]}"
+        _HELP[script] = got["out"]
+
+
+def script_help(script: str) -> str:
+    script_helps([script])
+    return _HELP[script]
 
 
 def problems(argv: list[str]) -> list[str]:
@@ -141,7 +152,10 @@ def problems(argv: list[str]) -> list[str]:
 
 
 def page_problems(text: str) -> list[str]:
-    return [p for argv in shell_commands(text) + inline_commands(text) for p in problems(argv)]
+    lines = shell_commands(text) + inline_commands(text)
+    scripts = [a[1] for a in lines if a[0] == "python" and len(a) > 1]
+    script_helps([s for s in scripts if s.startswith("benchmarks/")])
+    return [p for argv in lines for p in problems(argv)]
 
 
 def test_the_check_catches_an_option_a_command_lacks_and_an_unknown_command():
