@@ -223,7 +223,7 @@ def test_two_processes_keep_one_average(tmp_path):
     from safetensors.torch import load_file
 
     from tests.helpers.env import REPO, subprocess_env
-    from tests.helpers.train import FAST, tiny_text
+    from tests.helpers.train import FAST, tiny_text, txlm
 
     text = tiny_text(tmp_path)
     # no dropout: each rank draws its own masks, so one process would take other steps (the
@@ -233,20 +233,21 @@ def test_two_processes_keep_one_average(tmp_path):
             "data.batch_size=4", "optim.max_steps=6", "optim.average_start=3",
             "eval.eval_interval=0", "eval.final_eval=false"]  # fmt: skip
     script = str(REPO / "tests" / "helpers" / "ddp_average.py")
-    runs = {}
-    for n in (1, 2):
-        out = tmp_path / f"w{n}"
-        r = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-             str(n), script, str(out), *sets],
-            cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=1200,
-        )  # fmt: skip
-        assert r.returncode == 0, r.stderr[-3000:]
-        runs[n] = out
-    rank0 = load_file(str(runs[2] / "average.rank0.safetensors"))
-    rank1 = load_file(str(runs[2] / "average.rank1.safetensors"))
-    saved = load_file(str(runs[2] / "last" / "average.safetensors"))
-    one = load_file(str(runs[1] / "average.rank0.safetensors"))
+    two = tmp_path / "w2"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         script, str(two), *sets],
+        cwd=REPO, env=subprocess_env(tmp_path), capture_output=True, text=True, timeout=1200,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    # the one process: a plain `txlm train` (its `last` holds the average it kept)
+    alone = tmp_path / "w1"
+    r = txlm(["train", "--preset", "debug", "--out", str(alone), "--set", *sets], tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rank0 = load_file(str(two / "average.rank0.safetensors"))
+    rank1 = load_file(str(two / "average.rank1.safetensors"))
+    saved = load_file(str(two / "last" / "average.safetensors"))
+    one = load_file(str(alone / "last" / "average.safetensors"))
     assert int(rank0["count"]) == 4
     assert rank0.keys() == rank1.keys() == saved.keys() == one.keys()
     for k in rank0:
