@@ -157,22 +157,24 @@ def test_scores_step_and_token_step_share_the_cache() -> None:
         assert torch.equal(a, b)
 
 
-def test_more_sampling_settings_than_dynamos_limit_compile_in_one_process() -> None:
-    """Dynamo keeps at most ``recompile_limit`` (8) graphs per code object and a
-    ``fullgraph`` step fails past them: ten sampling settings, each its own decoder, all
+def test_more_sampling_settings_than_dynamos_limit_compile_in_one_process(fresh_dynamo) -> None:
+    """Dynamo keeps at most ``recompile_limit`` graphs per code object and a ``fullgraph``
+    step fails past them: more sampling settings than the limit, each its own decoder, all
     compile (each setting's step has a code object of its own), and three decoders of one
-    setting share one graph."""
+    setting share one graph. (The limit lowered to 2 for the test, so four settings pass it;
+    dynamo's tracing alone, the "eager" backend.)"""
     model = _model()
     counters = torch._dynamo.utils.counters
-    limit = torch._dynamo.config.recompile_limit
     counters.clear()
-    for k in range(1, limit + 3):  # dynamo's limit: its tracing alone (the "eager" backend)
-        sampling = SamplingConfig(top_k=k)
-        decoder = Decoder(model, compile="eager")
-        got = _tokens(decoder, sampling, steps=3, prompts=PROMPTS[:2])
-        assert torch.equal(got, _tokens(Decoder(model), sampling, 3, PROMPTS[:2]))
-    assert counters["stats"]["unique_graphs"] == limit + 2
-    counters.clear()
-    for _ in range(3):
-        _tokens(Decoder(model, compile="eager"), SamplingConfig(top_k=2), 3, PROMPTS)
-    assert counters["stats"]["unique_graphs"] == 1
+    with torch._dynamo.config.patch(recompile_limit=2):
+        limit = torch._dynamo.config.recompile_limit
+        for k in range(1, limit + 3):
+            sampling = SamplingConfig(top_k=k)
+            decoder = Decoder(model, compile="eager")
+            got = _tokens(decoder, sampling, steps=3, prompts=PROMPTS[:2])
+            assert torch.equal(got, _tokens(Decoder(model), sampling, 3, PROMPTS[:2]))
+        assert counters["stats"]["unique_graphs"] == limit + 2
+        counters.clear()
+        for _ in range(3):
+            _tokens(Decoder(model, compile="eager"), SamplingConfig(top_k=2), 3, PROMPTS)
+        assert counters["stats"]["unique_graphs"] == 1
