@@ -172,10 +172,10 @@ LIMIT = 3 * 2**30  # address space of the child: far below what the machine has
 @pytest.mark.parametrize(
     "argv",
     [
-        # caches of ~3.2 GiB: under the machine's memory (the check passes), over the limit
+        # caches of ~3.8 GiB: under the machine's memory (the check passes), over the limit
         # (the prompt is read once: the samples' cache of mem_len + 1 slots is the large one)
-        ["generate", "run/best", "--prompt", "The", "--num-samples", "400000",
-         "--max-new-tokens", "2", "--seed", "0"],
+        ["generate", "run/best", "--prompt", "The", "--num-samples", "4000", "--mem-len",
+         "2000", "--max-new-tokens", "2", "--seed", "0"],
         ["eval", "run/best", "--kv-cache", "--mem-len", "3000000", "--batch-size", "2"],
     ],
     ids=["generate", "eval"],
