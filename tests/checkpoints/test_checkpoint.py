@@ -218,23 +218,6 @@ def test_a_hub_name_that_is_no_folder_says_how_to_convert_it(tmp_path, monkeypat
     assert "convert" not in str(info.value)
 
 
-# Runs `python -m txlm ARGS` (runpy: the very module `-m` runs) with an audit hook that
-# counts every open of the checkpoint's config.json; the count goes to a file at exit.
-_COUNTING = """
-import atexit, os, runpy, sys
-target = os.path.realpath(os.environ["COUNT_OPENS_OF"])
-opens = []
-def hook(event, args):
-    if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-        if os.path.realpath(os.fsdecode(args[0])) == target:
-            opens.append(1)
-sys.addaudithook(hook)
-atexit.register(lambda: open(os.environ["COUNT_OUT"], "w").write(str(len(opens))))
-sys.argv = ["txlm", *sys.argv[1:]]
-runpy.run_module("txlm", run_name="__main__", alter_sys=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def text_run(tmp_path_factory) -> Path:
     """A checkpoint of a run on a prepared text corpus, as `txlm train` leaves it."""
@@ -262,23 +245,17 @@ def text_run(tmp_path_factory) -> Path:
     ],
     ids=["eval-split", "eval-file", "generate", "info"],
 )
-def test_each_command_opens_config_json_once(text_run: Path, tmp_path: Path, argv) -> None:
-    import subprocess
-    import sys
-
-    from tests.helpers.env import subprocess_env
-
+def test_each_command_opens_config_json_once(text_run: Path, tmp_path: Path, argv, runner) -> None:
+    """Each command opens its checkpoint's config.json once (counted by an audit hook in a
+    forked `python -m txlm`: tests/helpers/reliability_cli_runner.py)."""
     text = tmp_path / "notes.txt"
     text.write_text("The cat sat on the mat.\n" * 4)
     count = tmp_path / "count"
     args = [a.format(ckpt=text_run, text=text) for a in argv]
-    env = subprocess_env(COUNT_OPENS_OF=str(text_run / CONFIG_FILE), COUNT_OUT=str(count))
-    done = subprocess.run(
-        [sys.executable, "-c", _COUNTING, *args],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip()  # the command did its work
+    env = {"COUNT_OPENS_OF": str(text_run / CONFIG_FILE), "COUNT_OUT": str(count)}
+    rc, out, err = runner.run(args, tmp_path, tmp_path / "io", env)
+    assert rc == 0, err
+    assert out.strip()  # the command did its work
     assert count.read_text() == "1"
 
 
@@ -302,22 +279,16 @@ def classifier_run(tmp_path_factory) -> Path:
     ],
     ids=["eval", "classify", "info"],
 )
-def test_a_classifiers_commands_open_config_json_once(classifier_run: Path, argv) -> None:
+def test_a_classifiers_commands_open_config_json_once(
+    classifier_run: Path, tmp_path: Path, argv, runner
+) -> None:
     """A classifier's checkpoint is read as a language model's: opened once by the command,
     its model built from that copy (no second open by a classifier loader)."""
-    import subprocess
-    import sys
-
-    from tests.helpers.env import subprocess_env
-
-    count = classifier_run.parent / f"count-{argv[0]}"
+    count = tmp_path / "count"
     doc = classifier_run.parent.parent / "ds" / "test" / "x" / "000.txt"
     args = [a.format(ckpt=classifier_run, doc=doc) for a in argv]
-    env = subprocess_env(COUNT_OPENS_OF=str(classifier_run / CONFIG_FILE), COUNT_OUT=str(count))
-    done = subprocess.run(
-        [sys.executable, "-c", _COUNTING, *args],
-        capture_output=True, text=True, timeout=300, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[0])  # the command did its work
+    env = {"COUNT_OPENS_OF": str(classifier_run / CONFIG_FILE), "COUNT_OUT": str(count)}
+    rc, out, err = runner.run(args, tmp_path, tmp_path / "io", env)
+    assert rc == 0, err
+    assert json.loads(out.splitlines()[0])  # the command did its work
     assert count.read_text() == "1"

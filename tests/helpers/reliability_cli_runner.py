@@ -13,6 +13,9 @@ pool can deadlock the child, so all computation happens in the children.
 Protocol (one JSON object per line): request {"argv", "cwd", "env", "stdout", "stderr",
 "timeout"} -> replies {"pid"} at once (so a test can signal the child) and {"rc"} when it
 ends: its exit code, or minus the signal that killed it (-9 also when it ran past timeout).
+
+A child whose ``env`` names COUNT_OPENS_OF (a file) counts every open of that file (an
+audit hook) and writes the count to the file COUNT_OUT names as it ends.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 def _child(req: dict) -> int:
     os.chdir(req["cwd"])
     os.environ.update(req["env"])
+    opens = _count_opens(os.environ.get("COUNT_OPENS_OF"))
     for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
@@ -53,7 +57,29 @@ def _child(req: dict) -> int:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
+    if opens is not None:
+        with open(os.environ["COUNT_OUT"], "w") as f:
+            f.write(str(len(opens)))
     return code
+
+
+def _count_opens(target: str | None) -> list[str] | None:
+    """The opens of ``target`` from now on, as a list that grows (None: not counted)."""
+    if not target:
+        return None
+    target = os.path.realpath(target)
+    opens: list[str] = []
+
+    def hook(event: str, args: tuple) -> None:
+        path = args[0] if event == "open" else None
+        if (
+            isinstance(path, (str, bytes, os.PathLike))
+            and os.path.realpath(os.fsdecode(path)) == target
+        ):
+            opens.append(target)
+
+    sys.addaudithook(hook)
+    return opens
 
 
 def _wait(pid: int, timeout: float) -> int:
