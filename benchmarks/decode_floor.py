@@ -3,13 +3,19 @@
 The floor of a step is the larger of its arithmetic at this process's measured matrix-product
 rate and the bytes it must read at this process's measured read bandwidth:
 
-    arithmetic  2 x (the layers' four projections + the output layer's head) per row, plus the
-                attention over S slots: the content and position scores and the weighted
-                sum of values, 3 x 2 H Dh S per layer and row
+    arithmetic  2 x (the layers' four projections + the output layer's weights) per row,
+                plus the attention over S slots: the content and position scores and the
+                weighted sum of values, 3 x 2 H Dh S per layer and row
     bytes       the weights the step multiplies (the layers' projections and the head, in
-                the decoder's precision: 4, 2 or 1 byte an entry; float32 scales, biases and
-                LayerNorms), every row's cached keys and values (N x 2 x H S Dh in the
-                cache's dtype) and the position keys (N x H S Dh, shared by the rows)
+                the decoder's precision: 4, 2 or 1 byte an entry; an adaptive softmax's tail
+                clusters in its float dtype; float32 scales, biases and LayerNorms), every
+                row's cached keys and values (N x 2 x H S Dh in the cache's dtype) and the
+                position keys (N x H S Dh, shared by the rows)
+
+An adaptive softmax's tail clusters count by the share of steps that read them: a greedy
+step skips a cluster whose head log-probability is below the best shortlist token's
+(txlm.inference.sampling.clusters_needed), counted over as many more steps of each eager
+path; the compiled step takes the eager fp32 step's share (it draws the same ids).
 
 The matrix-product rate is a square product (1024^3, float32 and bf16) timed best-of; the read
 bandwidth a sum over a 256 MB buffer, far larger than the caches. Then the steps: a prompt
@@ -18,7 +24,13 @@ fills the memory, and each step feeds one token per row and draws the next greed
 eager fp32, compiled fp32 (``Decoder(compile=True)``, its first call timed apart), bf16
 weights (``dtype=torch.bfloat16``) and int8 weights (``int8=True``).
 
-    python benchmarks/decode_floor.py [--threads 1] [--batches 1,16] [--no-compile]
+Two shapes (``--shape``): the decoding issue's (d_model 256, 4 layers, a 10k full softmax,
+memory 512) and wt103-base's (the paper's 151M model: 16 layers of d_model 410, the 267,735
+word vocabulary in an adaptive softmax with cutoffs 20k, 40k, 200k, and its evaluation's
+memory 640, clamp_len 400, same_length).
+
+    python benchmarks/decode_floor.py [--shape issue|wt103-base] [--threads 1] [--batches 1,16]
+                                      [--paths fp32,compiled,bf16,int8] [--no-compile]
 
 Writes runs/bench/decode_floor.json (--out; benchmarks/results/decode_floor.json holds the
 committed figures) and prints a table.
@@ -46,6 +58,14 @@ SHAPE = dict(
     vocab_size=10000, n_layer=4, d_model=256, n_head=8, d_head=32, d_inner=1024,
     tgt_len=128, mem_len=512, clamp_len=-1, cutoffs=[], div_val=1, dropout=0.0,
 )  # fmt: skip
+# (preset, overrides): the preset's model with its evaluation's lengths
+SHAPES = {
+    "issue": ("debug", SHAPE),
+    "wt103-base": ("wt103-base", dict(tgt_len=64, mem_len=640, clamp_len=400,
+                                      same_length=True, dropout=0.0, dropatt=0.0)),
+}  # fmt: skip
+CONFIG_FIELDS = ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len",
+                 "clamp_len", "same_length", "cutoffs", "div_val")  # fmt: skip
 GREEDY = SamplingConfig(greedy=True)
 ENTRY = {"fp32": 4, "compiled": 4, "bf16": 2, "int8": 1}  # bytes a weight entry
 
@@ -85,17 +105,36 @@ def read_bandwidth(mbytes: int = 256) -> float:
     return x.numel() * 4 / best(lambda: x.sum(), 5)
 
 
-def step_cost(c: ModelConfig, batch: int, path: str) -> tuple[float, float]:
-    """(FLOPs, bytes) of one step of ``batch`` rows (see the module docstring)."""
+def output_entries(c: ModelConfig) -> tuple[int, list[int], int]:
+    """Weight entries of the output layer: the head's (shortlist rows with one row per tail
+    cluster, and its projection), each tail cluster's (weight and projection), and the
+    head's rows."""
+    bounds = [0, *c.cutoffs, c.vocab_size]
+    projected = c.div_val > 1 or c.d_embed != c.d_model
+    entries = []
+    for i in range(len(bounds) - 1):
+        e = c.d_embed // c.div_val**i
+        entries.append((bounds[i + 1] - bounds[i]) * e + (c.d_model * e if projected else 0))
+    head = entries[0] + len(c.cutoffs) * (c.d_embed)
+    return head, entries[1:], bounds[1] + len(c.cutoffs)
+
+
+def step_cost(
+    c: ModelConfig, batch: int, path: str, tails_read: list[float] | None = None
+) -> tuple[float, float]:
+    """(FLOPs, bytes) of one step of ``batch`` rows (see the module docstring).
+    ``tails_read``: the share of steps that computed each tail cluster (None: every step)."""
     d, inner, f, n = c.d_model, c.n_head * c.d_head, c.d_inner, c.n_layer
     slots = c.mem_len + 1
     per_layer = d * 3 * inner + inner * d + d * f + f * d  # weight entries
-    head = d * c.vocab_size
-    flops = batch * (2 * (n * per_layer + head) + n * 3 * 2 * inner * slots)
-    weights = (n * per_layer + head) * ENTRY[path]
+    head, clusters, head_rows = output_entries(c)
+    shares = [1.0] * len(clusters) if tails_read is None else tails_read
+    tails = sum(e * share for e, share in zip(clusters, shares, strict=True))
+    flops = batch * (2 * (n * per_layer + head + tails) + n * 3 * 2 * inner * slots)
+    weights = (n * per_layer + head) * ENTRY[path] + tails * (2 if path == "bf16" else 4)
     small = 4 * (n * (2 * f + 4 * d) + c.vocab_size)  # biases, LayerNorms, scales (float32)
     if path == "int8":
-        small += 4 * (n * (3 * inner + d + f + d) + c.vocab_size)
+        small += 4 * (n * (3 * inner + d + f + d) + head_rows)
     cache = 4 * n * (batch * 2 + 1) * inner * slots  # keys, values per row; position keys
     return flops, weights + small + cache
 
@@ -118,15 +157,40 @@ def time_steps(model: TransformerXL, batch: int, path: str, steps: int) -> dict:
             ids = dec.step(ids, GREEDY)
 
     out["step_ms"] = round(best(run, 1, rounds=3) / steps * 1e3, 3)
+    clusters = model.softmax.n_clusters
+    if clusters and path != "compiled":  # (a compiled step's reads are the eager one's)
+        out["tails_read"] = tails_read(dec, clusters, steps, ids)
     return out
+
+
+def tails_read(dec: Decoder, clusters: int, steps: int, ids) -> list[float]:
+    """The share of ``steps`` further greedy steps that computed each tail cluster (an eager
+    step skips the clusters its draw cannot take a token from)."""
+    softmax, read = dec.softmax, [0] * clusters
+    weights = softmax._weights
+
+    def counted(i: int):
+        read[i - 1] += 1
+        return weights(i)
+
+    softmax._weights = counted  # (the instance's, removed after: the model is unchanged)
+    try:
+        for _ in range(steps):
+            ids = dec.step(ids, GREEDY)
+    finally:
+        del softmax._weights
+    return [round(r / steps, 3) for r in read]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="issue")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled step")
+    ap.add_argument("--paths", default="fp32,compiled,bf16,int8",
+                    help="the steps to time, of fp32, compiled, bf16, int8")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     saved = torch.get_num_threads()
@@ -144,17 +208,20 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> dict:
     rates = {"fp32": matmul_rate(torch.float32), "bf16": matmul_rate(torch.bfloat16)}
     bandwidth = read_bandwidth()
-    config = ModelConfig.from_preset("debug", **SHAPE)
+    preset, overrides = SHAPES[args.shape]
+    config = ModelConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
     model = TransformerXL(config).eval()
-    paths = ["fp32"] + ([] if args.no_compile else ["compiled"]) + ["bf16", "int8"]
+    paths = [p for p in args.paths.split(",") if not (args.no_compile and p == "compiled")]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
+        read = None  # the batch's fp32 eager step's tail clusters (the compiled step's too)
         for path in paths:
-            flops, nbytes = step_cost(config, batch, path)
+            timed = time_steps(model, batch, path, args.steps)
+            read = timed.get("tails_read", read if path == "compiled" else None)
+            flops, nbytes = step_cost(config, batch, path, read)
             rate = rates["bf16" if path == "bf16" else "fp32"]
             floor = max(flops / rate, nbytes / bandwidth)
-            timed = time_steps(model, batch, path, args.steps)
             row = {
                 "batch": batch, "path": path, **timed,
                 "mflop": round(flops / 1e6, 2), "mbytes": round(nbytes / 1e6, 2),
@@ -164,13 +231,16 @@ def run(args: argparse.Namespace) -> dict:
             }  # fmt: skip
             rows.append(row)
             print(row, flush=True)
+            if path == "fp32":
+                read = timed.get("tails_read")
     return {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": cpu_name(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "threads": args.threads,
-        "shape": SHAPE,
+        "shape": args.shape,
+        "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
         "fp32_gflops": round(rates["fp32"] / 1e9, 1),
         "bf16_gflops": round(rates["bf16"] / 1e9, 1),
         "read_gbps": round(bandwidth / 1e9, 1),
