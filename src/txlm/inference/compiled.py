@@ -62,6 +62,11 @@ class StepCompile:
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=self.backend, **kw)
 
 
+# ``compile="package"``: the step exported and compiled ahead of time by AOTInductor, its
+# package kept on disk and opened by torch's C++ loader (txlm.inference.packaged), not
+# torch.compile.
+PACKAGE = StepCompile(backend="package")
+
 # What ``compile=True`` runs on a CPU: the whole step one C++ function. Freezing measured no
 # faster here (docs/performance-cpu.md), and without it the weights stay the step's inputs.
 # On CUDA inductor's defaults (then captured in a CUDA graph by the decoder).
@@ -89,14 +94,6 @@ def pad(x: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     if x is None or x.size(0) == batch:
         return x
     return torch.cat([x, x[:1].expand(batch - x.size(0), *x.shape[1:])])
-
-
-def choose(compile: bool | str) -> bool | str:
-    """``compile`` with "auto" decided: where the compiled step measured faster than the
-    eager one and paid back its set-up. On this project's CPU it measured no faster at batch
-    1 or 16 (docs/performance-cpu.md), and a GPU's step is replayed from a CUDA graph
-    without it, so "auto" is the eager step on both."""
-    return False if compile == "auto" else compile
 
 
 @contextlib.contextmanager

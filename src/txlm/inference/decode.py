@@ -42,7 +42,8 @@ import torch
 from torch import Tensor, nn
 
 from txlm.errors import ConfigError
-from txlm.inference.compiled import StepCompile, bucket, pad, step_compile
+from txlm.inference.compiled import PACKAGE, StepCompile, bucket, pad, step_compile
+from txlm.inference.packaged import kept, model_key, packaged
 from txlm.inference.precision import narrow_linear, narrowed
 from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
@@ -69,11 +70,14 @@ class Decoder:
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
-    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: True is
+    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto" the
+    packaged step where this decoder's packages are kept, else none, True is
     inductor as it measured best on the device, a string names the backend, e.g.
-    "aot_eager", a ``StepCompile`` says all), made for the batch's bucket: B rows run the
-    bucket K >= B over a cache padded to K rows, the padding's outputs dropped, so rows that
-    join or leave within a bucket compile nothing; ``cuda_graph`` (the default on CUDA): the
+    "aot_eager", "package" a step exported and compiled ahead of time, kept on disk
+    (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
+    rows run the bucket K >= B over a cache padded to K rows, the padding's outputs dropped,
+    so rows that join or leave within a bucket compile nothing; ``cuda_graph`` (the default
+    on CUDA): the
     step captured in a CUDA graph and
     replayed per token. Both need the static cache: the same shapes and operations every
     step, no host synchronisation. ``cache=False``: no cache, the model's forward over the
@@ -119,13 +123,15 @@ class Decoder:
         half = dtype in (torch.float16, torch.bfloat16)
         cpu_half = half and self.device.type == "cpu" and self.weight_dtype == torch.float32
         self.cache_dtype = torch.float32 if cpu_half else dtype
-        self.compile = step_compile(compile, self.device) if cache else None
+        auto = compile == "auto"  # (decided below, once the decoder's weights are made)
+        self.compile = step_compile(False if auto else compile, self.device) if cache else None
+        if self.compile == PACKAGE and self.device.type != "cpu":
+            raise ConfigError("a packaged decoding step (compile='package') runs on a CPU")
         # A compiled step is captured too: inductor's own graphs ("reduce-overhead") refuse a
         # step that writes into the cache it is given, while a manual capture of the compiled
         # step replays its fused kernels as one launch.
         graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         self.cuda_graph = cache and graph
-        self.static = self.compile is not None or self.cuda_graph
         self.score_dtype = torch.float32 if half else dtype  # the output layer's (upcast)
         # what the cached calls run: the model, or it with its projections in bf16 or int8
         precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
@@ -149,6 +155,14 @@ class Decoder:
             head.weight = nn.Parameter(weight.detach().to(dtype), requires_grad=False)
             head.bias = nn.Parameter(bias.detach().to(dtype), requires_grad=False)
             self.head = narrow_linear(head, precision)
+        # the name of the decoder's packages (txlm.inference.packaged), where it runs them
+        self.package_key: str | None = None
+        if self.compile == PACKAGE:
+            self.package_key = model_key(self)
+        elif auto and cache and self.device.type == "cpu":
+            self.package_key = kept(self)
+            self.compile = None if self.package_key is None else PACKAGE
+        self.static = self.compile is not None or self.cuda_graph
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
         self.mem_mask: Tensor | None = None
@@ -359,7 +373,9 @@ class Decoder:
             def fn(ids: Tensor, noise: Tensor | None = None) -> Tensor:
                 return self._token(ids, noise, sampling)
 
-            if self.compile is not None:
+            if self.compile == PACKAGE:  # exported and compiled ahead of time, kept on disk
+                fn = packaged(self, sampling)
+            elif self.compile is not None:
                 fn = self.compile(own_code(fn, (sampling, self.compile)))
             if self.cuda_graph:
                 fn = graphed(fn)

@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from txlm.errors import ConfigError
-from txlm.inference.compiled import choose
 from txlm.inference.decode import Decoder
 from txlm.inference.prompts import banned_ids
 from txlm.inference.sampling import Generators, SamplingConfig, mark_seen, sample, seen_tokens
@@ -120,9 +119,9 @@ def stream(
     every row is finished. ``sampling.stop`` is not read here (``generate`` and the CLI match
     stop strings on the text and close the stream). The ids come back on
     the CPU; the next step is already queued on the device when they are read.
-    ``compile``: run the decoding step under ``torch.compile`` (see
-    ``txlm.inference.decode.Decoder``); "auto": where it measured faster
-    (``txlm.inference.compiled.choose``).
+    ``compile``: how the decoding step is compiled (``txlm.inference.decode.Decoder``);
+    "auto": from its kept packages where there are some, else eager
+    (``txlm.inference.packaged``).
     ``lengths``: the attention lengths to decode with (None: the model's).
     ``int8``: the decoder's layers and output head with int8 weights (weight-only, per row:
     txlm.inference.precision).
@@ -146,7 +145,6 @@ def stream(
         )
     if len(sampling.ban) >= vocab:
         raise ConfigError("every token of the vocabulary is banned")
-    compile = choose(compile)
     decoder = Decoder(model, lengths=lengths, cache=use_cache, compile=compile, int8=int8)
     generators = generator
     if generators is None:

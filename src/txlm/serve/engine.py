@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from txlm.inference.compiled import StepCompile, choose
+from txlm.inference.compiled import StepCompile
 from txlm.inference.decode import Decoder
 from txlm.inference.sampling import SamplingConfig, draw_noise, mark_seen, sample, seen_tokens
 from txlm.model.cache import KVCache
@@ -155,7 +155,7 @@ class Engine:
                 # compiled step runs the batch's bucket (txlm.inference.compiled), so rows
                 # that join or leave within it compile nothing
                 self.decoder = Decoder(model, lengths=lengths, cuda_graph=False, int8=int8,
-                                       compile=choose(compile))  # fmt: skip
+                                       compile=compile)  # fmt: skip
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
         self.batch: KVCache | None = None

@@ -1,0 +1,177 @@
+"""The decoding step compiled ahead of time: exported, packaged by AOTInductor, kept on disk.
+
+Dimension legend
+    K  the bucket's rows     N  layers     H  heads     S  cache slots     Dh  head dim
+    V  vocabulary
+
+``Decoder(compile="package")`` (``txlm generate --compile package``) runs its one-token
+step from a package: ``torch.export`` of the step (the decoder's own ``_token``: the
+model's forward over the static cache, the output layer, the draw), compiled by
+AOTInductor (``torch._inductor.aoti_compile_and_package``) into one shared library in a
+``.pt2`` file, opened by torch's C++ loader (``torch._C._aoti.AOTIModelPackageLoader``),
+which needs neither the compiler nor dynamo: a later process opens a kept package in a
+fraction of a second, where a ``torch.compile``d step still pays dynamo's trace of the
+step (docs/performance-cpu.md, "Compiled ahead of time").
+
+Inputs and constants. The package's inputs are the ids [K], the draw's random numbers (none
+for greedy or log-probabilities) and the cache's tensors a step writes, in place, as the
+eager step writes them: keys and values kv [N, 2, K, H, S, Dh], slot positions pos [S],
+document ids doc [K, S] and open_doc [K], the next position next_pos []. Its constants are
+the weights (in the decoder's precision) and the cache's position tables.
+
+Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
+sha256 over everything the compiled code depends on beyond its step (every weight and
+buffer of the decoder's layers and head, the lengths, the precision and cache dtype, torch's
+version, the CPU's vector ISA, txlm's own source), ``step`` one over the step's setting (the
+sampling setting, the bucket, whether the mask is per row). A package is written atomically
+(a temporary file renamed into place), so a reader never sees half of one.
+
+When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU where this
+decoder's model has packages kept (a run with ``--compile package`` made them), else the
+eager step: a kept package opens in a fraction of a second and measured faster than the
+eager step at batch 1 and 16 on the issue's shape, so its set-up pays back from the first
+tokens; making one takes tens of seconds, which only a request for it pays. On a GPU
+"auto" is the eager step replayed from a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from txlm.inference.decode import Decoder
+    from txlm.inference.sampling import SamplingConfig
+
+STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
+
+
+def folder() -> Path:
+    """Where packages are kept: TXLM_HOME/packages."""
+    from txlm.checkpoints.checkpoint import home
+
+    return home() / "packages"
+
+
+def _source_digest() -> str:
+    """sha256 of txlm's own source: the step's code is part of what a package holds."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def kept(decoder: Decoder) -> str | None:
+    """The name of this decoder's packages where some are kept, else None: what
+    ``compile="auto"`` runs from (a step setting with no package yet is then packaged at
+    its first step)."""
+    if not folder().is_dir() or not any(folder().iterdir()):
+        return None  # (no package of any model: nothing to hash the weights for)
+    key = model_key(decoder)
+    where = folder() / key
+    return key if where.is_dir() and any(where.glob("*.pt2")) else None
+
+
+def model_key(decoder: Decoder) -> str:
+    """The digest naming a decoder's packages (see the module docstring)."""
+    h = hashlib.sha256()
+    for module in (decoder.net, decoder.head):
+        for name, t in [*module.named_parameters(), *module.named_buffers()]:
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    h.update(repr(decoder.lengths).encode())
+    h.update(f"{decoder.precision}:{decoder.cache_dtype}:{torch.__version__}".encode())
+    h.update(str(torch.backends.cpu.get_cpu_capability()).encode())
+    h.update(_source_digest().encode())
+    return h.hexdigest()[:32]
+
+
+class _Step(nn.Module):
+    """The decoder's one-token step as a module of the cache's tensors: the decoder's cache
+    points at the given ones for the call (what torch.export traces)."""
+
+    def __init__(self, decoder: Decoder, sampling: SamplingConfig | None) -> None:
+        super().__init__()
+        self.net, self.head = decoder.net, decoder.head  # (their weights: the constants)
+        self.decoder, self.sampling = [decoder], sampling  # (a list: not a submodule)
+
+    def forward(self, ids: Tensor, noise: Tensor | None, *state: Tensor) -> Tensor:
+        decoder = self.decoder[0]
+        cache = decoder.cache
+        held = [getattr(cache, name) for name in STATE]
+        for name, t in zip(STATE, state, strict=True):
+            setattr(cache, name, t)
+        try:
+            return decoder._token(ids, noise, self.sampling)
+        finally:
+            for name, t in zip(STATE, held, strict=True):
+                setattr(cache, name, t)
+
+
+# the packages opened in this process, by path: each opened once (its constants loaded once)
+_OPEN: dict[Path, torch._C._aoti.AOTIModelPackageLoader] = {}
+
+
+def packaged(decoder: Decoder, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+    """The step of ``sampling`` run from packages, one per bucket: ids [K] (+ noise) ->
+    the next ids [K], or log-probabilities [K, V]. A package not yet kept is made at its
+    bucket's first step (exported from the cache as it is then) and kept."""
+    assert decoder.package_key is not None, "a decoder made with compile='package'"
+    where = folder() / decoder.package_key
+
+    def run(ids: Tensor, noise: Tensor | None = None) -> Tensor:
+        cache = decoder.cache
+        assert cache is not None
+        state = [getattr(cache, name) for name in STATE]
+        step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
+        path = where / f"{step.hexdigest()[:32]}.pt2"
+        loader = _OPEN.get(path)
+        if loader is None:
+            if not path.is_file():
+                _package(decoder, sampling, ids, noise, state, path)
+            loader = _OPEN[path] = torch._C._aoti.AOTIModelPackageLoader(
+                str(path), "model", False, 1, -1
+            )
+        (out,) = loader.run([ids, *([] if noise is None else [noise]), *state])
+        return out
+
+    return run
+
+
+def _package(
+    decoder: Decoder,
+    sampling: SamplingConfig | None,
+    ids: Tensor,
+    noise: Tensor | None,
+    state: list[Tensor],
+    path: Path,
+) -> None:
+    """Export the step over copies of the cache's tensors and package it at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.inference_mode(False), torch.no_grad():
+        copies = [t.clone() for t in state]  # (ordinary tensors: export writes into them)
+        args = (ids.clone(), None if noise is None else noise.clone(), *copies)
+        program = torch.export.export(_Step(decoder, sampling), args, strict=False)
+    fd, scratch = tempfile.mkstemp(
+        dir=path.parent, prefix=".", suffix=".pt2"
+    )  # (its suffix: AOTInductor's rule)
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():  # (torch's own, from inside its packaging)
+            warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
+            torch._inductor.aoti_compile_and_package(program, package_path=scratch)
+        os.chmod(scratch, 0o644)  # (mkstemp's file is the owner's alone)
+        os.replace(scratch, path)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
