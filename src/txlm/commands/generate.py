@@ -118,11 +118,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="end each sample at <eos> (character/byte vocabularies: at a newline)",
     )
     p.add_argument(
-        "--compile", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
-        help="torch.compile the decoding step (on CUDA then captured in a CUDA graph), once "
-        "before the first token, its compiled code kept in TXLM_HOME/inductor; auto (the "
-        "default): only where it measured faster than the eager step, which on a CPU it "
-        "did not (docs/generation.md); --compile alone: on",
+        "--compile", nargs="?", choices=list(COMPILE), const="on", default="auto",
+        help="on: torch.compile the decoding step (on CUDA then captured in a CUDA graph), "
+        "once before the first token, its compiled code kept in TXLM_HOME/inductor; "
+        "package (a CPU): the step compiled ahead of time by AOTInductor, its package kept "
+        "in TXLM_HOME/packages and opened in a fraction of a second next time; auto (the "
+        "default): this checkpoint's kept packages where there are some, else the eager "
+        "step (docs/generation.md); --compile alone: on",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)

@@ -11,8 +11,9 @@ from txlm.devices import DEVICE_HELP, check_precision, precision_note
 if TYPE_CHECKING:
     import torch
 
-# ``--compile auto|on|off`` (generate, serve) as a Decoder's ``compile`` (txlm.inference.compiled)
-COMPILE: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto"}
+# ``--compile auto|on|off|package`` (generate, serve) as a Decoder's ``compile``
+# (txlm.inference.compiled, txlm.inference.packaged)
+COMPILE: dict[str, bool | str] = {"on": True, "off": False, "auto": "auto", "package": "package"}
 
 
 def add_device_options(

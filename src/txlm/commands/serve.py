@@ -33,10 +33,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_device_options(p, precision=True)
     p.add_argument(
-        "--compile", nargs="?", choices=["auto", "on", "off"], const="on", default="auto",
-        help="torch.compile the decoding step for each batch bucket (1, 2, 4, .. rows), its "
-        "compiled code kept in TXLM_HOME/inductor; auto (the default): only where it "
-        "measured faster than the eager step, which on a CPU it did not (docs/generation.md)",
+        "--compile", nargs="?", choices=list(COMPILE), const="on", default="auto",
+        help="on: torch.compile the decoding step for each batch bucket (1, 2, 4, .. rows), "
+        "its compiled code kept in TXLM_HOME/inductor; package (a CPU): each bucket's step "
+        "compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages; auto (the "
+        "default): this checkpoint's kept packages where there are some, else the eager "
+        "step (docs/generation.md)",
     )  # fmt: skip
     d = ServeConfig()
     caps = [
