@@ -32,6 +32,10 @@ def _cluster(token: int) -> int:
     return sum(token >= cut for cut in (8, 24, 40))
 
 
+def _key(decoder: Decoder) -> str:
+    return packaged.model_key(decoder._source())
+
+
 def _draws(decoder: Decoder) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
     ids = decoder.prefill(PROMPTS, sampling=SAMPLING, generator=g)
@@ -66,14 +70,14 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     # another model's weights: no package of its own, so auto is the eager step
     other = Decoder(_model(seed=6), compile="auto")
     assert other.compile is None and not other.static
-    assert not packaged.kept(other)
+    assert packaged.kept(other._source()) is None
 
 
 def test_auto_without_kept_packages_hashes_nothing(tmp_path, monkeypatch):
     """With no package of any model kept, "auto" decides without reading the weights."""
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
 
-    def unread(decoder):
+    def unread(source):
         raise AssertionError("weights hashed")
 
     monkeypatch.setattr(packaged, "model_key", unread)
@@ -84,13 +88,13 @@ def test_auto_without_kept_packages_hashes_nothing(tmp_path, monkeypatch):
 def test_a_package_is_named_by_the_weights_and_the_precision(tmp_path, monkeypatch):
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
     model = _model()
-    key = packaged.model_key(Decoder(model))
-    assert packaged.model_key(Decoder(model)) == key  # the same decoder again
-    assert packaged.model_key(Decoder(model, int8=True)) != key
+    key = _key(Decoder(model))
+    assert _key(Decoder(model)) == key  # the same decoder again
+    assert _key(Decoder(model, int8=True)) != key
     bias = next(p for name, p in model.named_parameters() if name.endswith("bias"))
     with torch.no_grad():
         bias[0] += 1e-3  # one entry of one bias
-    assert packaged.model_key(Decoder(model)) != key
+    assert _key(Decoder(model)) != key
 
 
 def test_a_packaged_step_off_a_cpu_is_refused(monkeypatch):

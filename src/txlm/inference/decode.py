@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.inference.compiled import PACKAGE, StepCompile, bucket, pad, step_compile
-from txlm.inference.packaged import kept, model_key, packaged
+from txlm.inference.packaged import Source, kept, model_key, packaged
 from txlm.inference.precision import narrow_linear, narrowed
 from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
@@ -158,9 +158,9 @@ class Decoder:
         # the name of the decoder's packages (txlm.inference.packaged), where it runs them
         self.package_key: str | None = None
         if self.compile == PACKAGE:
-            self.package_key = model_key(self)
+            self.package_key = model_key(self._source())
         elif auto and cache and self.device.type == "cpu":
-            self.package_key = kept(self)
+            self.package_key = kept(self._source())
             self.compile = None if self.package_key is None else PACKAGE
         self.static = self.compile is not None or self.cuda_graph
         self.cache: KVCache | None = None  # made per prefill
@@ -355,6 +355,13 @@ class Decoder:
             out = fn()
         return out.clone()
 
+    def _source(self) -> Source:
+        """What a packaged step of this decoder is made of (txlm.inference.packaged)."""
+        return Source(
+            token=self._token, cache=lambda: self.cache, modules=(self.net, self.head),
+            setting=(self.lengths, self.precision, self.cache_dtype),
+        )  # fmt: skip
+
     def _narrow(self) -> None:
         """After the prompt the cache of one-token steps has mem_len + 1 slots."""
         assert self.cache is not None, "prefill first"
@@ -374,7 +381,8 @@ class Decoder:
                 return self._token(ids, noise, sampling)
 
             if self.compile == PACKAGE:  # exported and compiled ahead of time, kept on disk
-                fn = packaged(self, sampling)
+                assert self.package_key is not None
+                fn = packaged(self._source(), self.package_key, sampling)
             elif self.compile is not None:
                 fn = self.compile(own_code(fn, (sampling, self.compile)))
             if self.cuda_graph:

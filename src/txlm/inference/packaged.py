@@ -40,18 +40,30 @@ import hashlib
 import os
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from txlm.inference.decode import Decoder
-    from txlm.inference.sampling import SamplingConfig
+from txlm.inference.sampling import SamplingConfig
+from txlm.model.cache import KVCache
 
 STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a decoder's packaged step is made of: its ``token`` step ((ids, noise,
+    sampling) -> next ids or log-probabilities, over the cache ``cache()`` gives), the
+    ``modules`` whose weights it multiplies, and the ``setting`` beyond them that its code
+    depends on (lengths, precision, cache dtype)."""
+
+    token: Callable[[Tensor, Tensor | None, SamplingConfig | None], Tensor]
+    cache: Callable[[], KVCache | None]
+    modules: Sequence[nn.Module]
+    setting: tuple
 
 
 def folder() -> Path:
@@ -71,48 +83,46 @@ def _source_digest() -> str:
     return h.hexdigest()
 
 
-def kept(decoder: Decoder) -> str | None:
-    """The name of this decoder's packages where some are kept, else None: what
+def kept(source: Source) -> str | None:
+    """The name of ``source``'s packages where some are kept, else None: what
     ``compile="auto"`` runs from (a step setting with no package yet is then packaged at
     its first step)."""
     if not folder().is_dir() or not any(folder().iterdir()):
         return None  # (no package of any model: nothing to hash the weights for)
-    key = model_key(decoder)
+    key = model_key(source)
     where = folder() / key
     return key if where.is_dir() and any(where.glob("*.pt2")) else None
 
 
-def model_key(decoder: Decoder) -> str:
+def model_key(source: Source) -> str:
     """The digest naming a decoder's packages (see the module docstring)."""
     h = hashlib.sha256()
-    for module in (decoder.net, decoder.head):
+    for module in source.modules:
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    h.update(repr(decoder.lengths).encode())
-    h.update(f"{decoder.precision}:{decoder.cache_dtype}:{torch.__version__}".encode())
+    h.update(f"{source.setting!r}:{torch.__version__}".encode())
     h.update(str(torch.backends.cpu.get_cpu_capability()).encode())
     h.update(_source_digest().encode())
     return h.hexdigest()[:32]
 
 
 class _Step(nn.Module):
-    """The decoder's one-token step as a module of the cache's tensors: the decoder's cache
-    points at the given ones for the call (what torch.export traces)."""
+    """The step as a module of the cache's tensors: the cache's tensors are the given ones
+    for the call (what torch.export traces)."""
 
-    def __init__(self, decoder: Decoder, sampling: SamplingConfig | None) -> None:
+    def __init__(self, source: Source, sampling: SamplingConfig | None) -> None:
         super().__init__()
-        self.net, self.head = decoder.net, decoder.head  # (their weights: the constants)
-        self.decoder, self.sampling = [decoder], sampling  # (a list: not a submodule)
+        self.held = nn.ModuleList(source.modules)  # (their weights: the constants)
+        self.source, self.sampling = source, sampling
 
     def forward(self, ids: Tensor, noise: Tensor | None, *state: Tensor) -> Tensor:
-        decoder = self.decoder[0]
-        cache = decoder.cache
+        cache = self.source.cache()
         held = [getattr(cache, name) for name in STATE]
         for name, t in zip(STATE, state, strict=True):
             setattr(cache, name, t)
         try:
-            return decoder._token(ids, noise, self.sampling)
+            return self.source.token(ids, noise, self.sampling)
         finally:
             for name, t in zip(STATE, held, strict=True):
                 setattr(cache, name, t)
@@ -122,15 +132,14 @@ class _Step(nn.Module):
 _OPEN: dict[Path, torch._C._aoti.AOTIModelPackageLoader] = {}
 
 
-def packaged(decoder: Decoder, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
-    """The step of ``sampling`` run from packages, one per bucket: ids [K] (+ noise) ->
-    the next ids [K], or log-probabilities [K, V]. A package not yet kept is made at its
-    bucket's first step (exported from the cache as it is then) and kept."""
-    assert decoder.package_key is not None, "a decoder made with compile='package'"
-    where = folder() / decoder.package_key
+def packaged(source: Source, key: str, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+    """The step of ``sampling`` run from the packages named ``key``, one per bucket: ids [K]
+    (+ noise) -> the next ids [K], or log-probabilities [K, V]. A package not yet kept is
+    made at its bucket's first step (exported from the cache as it is then) and kept."""
+    where = folder() / key
 
     def run(ids: Tensor, noise: Tensor | None = None) -> Tensor:
-        cache = decoder.cache
+        cache = source.cache()
         assert cache is not None
         state = [getattr(cache, name) for name in STATE]
         step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
@@ -138,7 +147,7 @@ def packaged(decoder: Decoder, sampling: SamplingConfig | None) -> Callable[...,
         loader = _OPEN.get(path)
         if loader is None:
             if not path.is_file():
-                _package(decoder, sampling, ids, noise, state, path)
+                _package(source, sampling, ids, noise, state, path)
             loader = _OPEN[path] = torch._C._aoti.AOTIModelPackageLoader(
                 str(path), "model", False, 1, -1
             )
@@ -149,7 +158,7 @@ def packaged(decoder: Decoder, sampling: SamplingConfig | None) -> Callable[...,
 
 
 def _package(
-    decoder: Decoder,
+    source: Source,
     sampling: SamplingConfig | None,
     ids: Tensor,
     noise: Tensor | None,
@@ -161,10 +170,9 @@ def _package(
     with torch.inference_mode(False), torch.no_grad():
         copies = [t.clone() for t in state]  # (ordinary tensors: export writes into them)
         args = (ids.clone(), None if noise is None else noise.clone(), *copies)
-        program = torch.export.export(_Step(decoder, sampling), args, strict=False)
-    fd, scratch = tempfile.mkstemp(
-        dir=path.parent, prefix=".", suffix=".pt2"
-    )  # (its suffix: AOTInductor's rule)
+        program = torch.export.export(_Step(source, sampling), args, strict=False)
+    # (the name ends in .pt2: AOTInductor's rule)
+    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".pt2")
     os.close(fd)
     try:
         with warnings.catch_warnings():  # (torch's own, from inside its packaging)
