@@ -95,3 +95,10 @@ def split_tokens(data_dir: Path, name: str, split: str) -> np.ndarray:
     from txlm.data import load_prepared
 
     return np.asarray(load_prepared(data_dir / name).split(split))
+
+
+def check_quiet(proc: subprocess.CompletedProcess) -> None:
+    """The run ended well and printed no warning, nor a traceback."""
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]
