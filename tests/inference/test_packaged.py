@@ -1,4 +1,5 @@
-"""The packaged decoding step (txlm.inference.packaged): exported, compiled ahead of time by
+"""Contract C44 (ARCHITECTURE.md), the packaged decoding step (txlm.inference.packaged):
+exported, compiled ahead of time by
 AOTInductor, kept in TXLM_HOME/packages, opened by torch's C++ loader. It draws the eager
 step's tokens (sampling with the draw's random numbers as an input, through the pruned
 adaptive softmax, three rows in the bucket of four); a new decoder of the same model opens
