@@ -1,10 +1,9 @@
 """Contract C44 (ARCHITECTURE.md), the packaged decoding step (txlm.inference.packaged):
-exported, compiled ahead of time by
-AOTInductor, kept in TXLM_HOME/packages, opened by torch's C++ loader. It draws the eager
-step's tokens (sampling with the draw's random numbers as an input, through the pruned
-adaptive softmax, three rows in the bucket of four); a new decoder of the same model opens
-the kept package without compiling, and "auto" runs it; a model of other weights has no
-package, and "auto" is then the eager step."""
+exported, compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages, opened by
+torch's C++ loader. It draws the eager step's tokens (sampling with the draw's random
+numbers as an input, through the pruned adaptive softmax, three rows in the bucket of four);
+a new decoder of the same model opens the kept package without compiling, and "auto" runs
+it; a model of other weights has no package, and "auto" is then the eager step."""
 
 from __future__ import annotations
 
