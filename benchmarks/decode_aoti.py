@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_floor import GREEDY, SHAPE, cpu_name
+from decode_floor import GREEDY, SHAPE, machine
 from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.inference.decode import Decoder
@@ -138,15 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             rows = [run(int(b), args, Path(scratch)) for b in args.batches.split(",")]
     finally:
         torch.set_num_threads(saved)
-    result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu_name(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "threads": args.threads,
-        "shape": SHAPE,
-        "rows": rows,
-    }
+    result = {**machine(args.threads), "shape": SHAPE, "rows": rows}
     text = json.dumps(result, indent=2)
     atomic.write_text(args.out, text + "\n")
     print(text)

@@ -81,6 +81,17 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine(threads: int) -> dict:
+    """What a result was measured on: the date, the CPU, torch and the thread count."""
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_name(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": threads,
+    }
+
+
 def best(fn, reps: int, rounds: int = 5) -> float:
     """Seconds per call, best of ``rounds`` rounds of ``reps`` calls."""
     fn()
@@ -234,11 +245,7 @@ def run(args: argparse.Namespace) -> dict:
             if path == "fp32":
                 read = timed.get("tails_read")
     return {
-        "date": time.strftime("%Y-%m-%d"),
-        "cpu": cpu_name(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "threads": args.threads,
+        **machine(args.threads),
         "shape": args.shape,
         "config": {k: getattr(config, k) for k in CONFIG_FIELDS},
         "fp32_gflops": round(rates["fp32"] / 1e9, 1),
