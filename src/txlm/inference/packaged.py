@@ -29,8 +29,8 @@ sampling setting, the bucket, whether the mask is per row). A package is written
 When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU where this
 decoder's model has packages kept (a run with ``--compile package`` made them), else the
 eager step: a kept package opens in a fraction of a second and measured faster than the
-eager step at batch 1 and 16 on the issue's shape, so its set-up pays back from the first
-tokens; making one takes tens of seconds, which only a request for it pays. On a GPU
+eager step at batch 1 and 16 (docs/performance-cpu.md), so its set-up pays back from the
+first tokens; making one takes tens of seconds, which only a request for it pays. On a GPU
 "auto" is the eager step replayed from a CUDA graph.
 """
 
