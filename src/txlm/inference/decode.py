@@ -77,12 +77,10 @@ class Decoder:
     (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
     rows run the bucket K >= B over a cache padded to K rows, the padding's outputs dropped,
     so rows that join or leave within a bucket compile nothing; ``cuda_graph`` (the default
-    on CUDA): the
-    step captured in a CUDA graph and
-    replayed per token. Both need the static cache: the same shapes and operations every
-    step, no host synchronisation. ``cache=False``: no cache, the model's forward over the
-    hidden-state memory every step (the reference; ``compile`` and ``cuda_graph`` are the
-    cached step's and do not apply).
+    on CUDA): the step captured in a CUDA graph and replayed per token. Both need the static
+    cache: the same shapes and operations every step, no host synchronisation.
+    ``cache=False``: no cache, the model's forward over the hidden-state memory every step
+    (the reference; ``compile`` and ``cuda_graph`` are the cached step's and do not apply).
 
     A drawing step (C36) is ids + the draw's random numbers -> the next ids: the random
     numbers are drawn just before, outside it, from the caller's generator (one kernel), so

@@ -137,20 +137,24 @@ def packaged(source: Source, key: str, sampling: SamplingConfig | None) -> Calla
     (+ noise) -> the next ids [K], or log-probabilities [K, V]. A package not yet kept is
     made at its bucket's first step (exported from the cache as it is then) and kept."""
     where = folder() / key
+    loaders: dict[tuple[int, bool], torch._C._aoti.AOTIModelPackageLoader] = {}  # (K, per row)
 
     def run(ids: Tensor, noise: Tensor | None = None) -> Tensor:
         cache = source.cache()
         assert cache is not None
         state = [getattr(cache, name) for name in STATE]
-        step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
-        path = where / f"{step.hexdigest()[:32]}.pt2"
-        loader = _OPEN.get(path)
-        if loader is None:
-            if not path.is_file():
-                _package(source, sampling, ids, noise, state, path)
-            loader = _OPEN[path] = torch._C._aoti.AOTIModelPackageLoader(
-                str(path), "model", False, 1, -1
-            )
+        loader = loaders.get((ids.size(0), cache.per_row))
+        if loader is None:  # (a bucket's first step here: named, opened, made if need be)
+            step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
+            path = where / f"{step.hexdigest()[:32]}.pt2"
+            loader = _OPEN.get(path)
+            if loader is None:
+                if not path.is_file():
+                    _package(source, sampling, ids, noise, state, path)
+                loader = _OPEN[path] = torch._C._aoti.AOTIModelPackageLoader(
+                    str(path), "model", False, 1, -1
+                )
+            loaders[ids.size(0), cache.per_row] = loader
         (out,) = loader.run([ids, *([] if noise is None else [noise]), *state])
         return out
 
