@@ -305,7 +305,7 @@ class RelativeAttention(nn.Module):
                     bias = bias.view(q.size(0), q.size(1), *bias.shape[1:])
                 bias = _as(bias, k.dtype)
             attn = F.scaled_dot_product_attention(
-                qc, k, val, attn_mask=bias, dropout_p=p_drop, scale=self.scale
+                _as(qc, k.dtype), k, val, attn_mask=bias, dropout_p=p_drop, scale=self.scale
             )
         else:
             # the keys' dtype is the matmuls' (bf16 under autocast, where q + u promotes)
