@@ -7,9 +7,11 @@ and the 10k head) cold, as ``decode_products.py`` does (cycling through copies o
 that together exceed the last-level cache), at 1 and 16 rows, through
 
     fp32        addmm on W^T float32 [in, out] (what the fp32 decoder runs: the anchor)
-    woq         torch.ops.aten._weight_int8pack_mm: int8 weight [out, in], a float scale per
-                row, float activations (weight-only: what txlm's Int8Linear and torchao's
-                int8 weight-only quantization run on a CPU)
+    woq         torch.ops.aten._weight_int8pack_mm: int8 weight [out, in], a scale per
+                row, float32 activations (weight-only: torchao's int8 weight-only
+                quantization on float32 activations)
+    woq_bf16    the same kernel on bf16 activations, its output back to float32
+                (``txlm.inference.precision.int8_matmul``: what txlm's Int8Linear runs)
     dynamic     torch.ops.quantized.linear_dynamic (fbgemm): the activations quantised to
                 uint8 per call, an int8 x uint8 product, dequantised (torch's dynamic
                 quantization; the int8 weight prepacked once)
@@ -38,7 +40,7 @@ import torch
 from decode_floor import cpu_name
 from decode_products import PRODUCTS, cold_us
 from txlm import atomic
-from txlm.inference.precision import quantize_int8
+from txlm.inference.precision import int8_matmul, quantize_int8
 
 RESULTS = Path("runs") / "bench" / "int8_products.json"
 
@@ -68,13 +70,18 @@ def kernels(rows: int, n_out: int, n_in: int, inductor: bool) -> dict[str, float
     del ws
 
     packed = [quantize_int8(w) for w in weights(n_out * n_in)]
-    us["woq"] = cold_us(packed, lambda p: torch.ops.aten._weight_int8pack_mm(x, *p) + bias)
+    us["woq"] = cold_us(
+        packed, lambda p: torch.ops.aten._weight_int8pack_mm(x, p[0], p[1].float()) + bias
+    )
+    us["woq_bf16"] = cold_us(packed, lambda p: int8_matmul(x, *p) + bias)
 
     with warnings.catch_warnings():  # (quantized tensors: deprecated, still the fbgemm path)
         warnings.simplefilter("ignore")
         zeros = torch.zeros(n_out, dtype=torch.long)
         qweights = [
-            torch.quantize_per_channel(q.float() * s[:, None], s.double(), zeros, 0, torch.qint8)
+            torch.quantize_per_channel(
+                q.float() * s.float()[:, None], s.double(), zeros, 0, torch.qint8
+            )
             for q, s in packed
         ]
         prepacked = [torch.ops.quantized.linear_prepack(w, bias) for w in qweights]
@@ -86,7 +93,7 @@ def kernels(rows: int, n_out: int, n_in: int, inductor: bool) -> dict[str, float
 
     def int_mm(p: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         xq, xs = quantise_rows(x)
-        return torch._int_mm(xq, p[0]).float() * xs * p[1] + bias
+        return torch._int_mm(xq, p[0]).float() * xs * p[1].float() + bias
 
     try:
         us["int_mm"] = cold_us(transposed, int_mm)
@@ -99,7 +106,7 @@ def kernels(rows: int, n_out: int, n_in: int, inductor: bool) -> dict[str, float
 
         @torch.compile(fullgraph=True, dynamic=False)
         def woq_compiled(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-            return (x @ q.float().t()) * s + bias
+            return (x @ q.float().t()) * s.float() + bias
 
         us["inductor"] = cold_us(packed, lambda p: woq_compiled(x, *p))
     return us

@@ -22,16 +22,23 @@ from txlm.inference.precision import (
 from .test_cache import cached_log_probs
 
 
-def test_int8_weights_are_within_half_a_step_and_the_kernel_multiplies_them() -> None:
+@pytest.mark.parametrize("width", [40, 64])  # (40: padded to the kernel's block of 16)
+def test_int8_weights_are_within_half_a_step_and_the_kernel_multiplies_them(width: int) -> None:
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(48, 40, generator=g) * torch.rand(48, 1, generator=g)
+    weight = torch.randn(48, width, generator=g) * torch.rand(48, 1, generator=g)
     q, scales = quantize_int8(weight)
-    assert q.dtype == torch.int8 and q.abs().max() == 127
-    dequantised = q.float() * scales[:, None]
-    assert ((dequantised - weight).abs() <= scales[:, None] / 2 + 1e-7).all()
-    x = torch.randn(3, 5, 40, generator=g)
-    # float32 products of the same numbers summed in another order
-    torch.testing.assert_close(int8_matmul(x, q, scales), x @ dequantised.t(), atol=1e-5, rtol=0)
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scales.dtype == torch.bfloat16
+    assert q.shape == (48, 48 if width == 40 else 64) and not q[:, width:].any()
+    dequantised = q[:, :width].float() * scales.float()[:, None]
+    assert ((dequantised - weight).abs() <= scales.float()[:, None] / 2 + 1e-7).all()
+    x = torch.randn(3, 5, width, generator=g)
+    got = int8_matmul(x, q, scales)
+    assert got.shape == (3, 5, 48) and got.dtype == torch.float32
+    # the product of the inputs rounded to bf16, its sums rounded to bf16 once
+    want = x.bfloat16().float() @ dequantised.t()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=2**-8)
+    # (and not the float32 inputs' product: the inputs are bf16)
+    assert not torch.allclose(got, x @ dequantised.t(), atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("overrides", [{}, dict(cutoffs=[20, 40], div_val=2)])

@@ -11,8 +11,8 @@ output layer) is the model's own tensors, shared, not copied. The model itself i
     "bf16"  bf16 weights; inputs cast to bf16, products accumulated in float32 by the kernel
     "int8"  weight-only int8 (one float scale per output row, symmetric), the product
             ``torch.ops.aten._weight_int8pack_mm`` (what torchao's int8 weight-only
-            quantization runs on a CPU): activations stay float, the weight is dequantised
-            inside the kernel
+            quantization runs on a CPU) on bf16 activations, the weight dequantised inside
+            the kernel; its output float32
 """
 
 from __future__ import annotations
@@ -56,22 +56,35 @@ class RowLinear(nn.Module):
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
 
+# torch 2.13's CPU kernel for weight-only int8 (``aten._weight_int8pack_mm``) is vectorised
+# for bf16 inputs only: with float32 inputs it runs 10-40x slower than with bf16 ones
+# (benchmarks/int8_products.py). It reads the input dim in blocks of this many entries and
+# crashes on any other width, so an int8 weight's rows are padded with zero columns to a
+# multiple of it, and its inputs with zeros to match.
+INT8_BLOCK = 16
+
+
 def quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: (q [out, in] int8, scales [out] float32) with q * scale ~ w."""
+    """Symmetric per-row int8: (q [out, in'] int8, scales [out] bf16) with q * scale ~ w,
+    in' the input dim padded with zero columns to a multiple of ``INT8_BLOCK``. The scales
+    are the kernel's dtype, so q is rounded against the scale the kernel multiplies by."""
     w = weight.detach().float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
+    scales = (w.abs().amax(dim=1).clamp(min=1e-12) / 127.0).to(torch.bfloat16)
+    q = torch.round(w / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return F.pad(q, (0, -q.size(1) % INT8_BLOCK)), scales
 
 
 def int8_matmul(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
-    """x [..., in] float32 @ (q * scales)^T -> [..., out] float32. (The CPU kernel's bf16
-    form crashes for some widths in torch 2.13: float32 activations only.)"""
+    """x [..., in] @ (q * scales)^T -> [..., out] float32, (q, scales) from ``quantize_int8``.
+    On a CPU the fused kernel (it dequantises as it streams the weight) on x in bf16, its
+    float32 sums rounded to bf16 once."""
     rows = x.reshape(-1, x.size(-1))
-    if rows.device.type == "cpu":  # the fused kernel (dequantises as it streams the weight)
-        out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), q, scales)
+    if rows.size(1) != q.size(1):  # (the kernel's block: zero columns, zero inputs)
+        rows = F.pad(rows, (0, q.size(1) - rows.size(1)))
+    if rows.device.type == "cpu":
+        out = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), q, scales).float()
     else:
-        out = (rows @ q.to(x.dtype).t()) * scales
+        out = (rows @ q.to(x.dtype).t()) * scales.to(x.dtype)
     return out.view(*x.shape[:-1], -1)
 
 
@@ -87,7 +100,6 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), False)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x.float() if x.dtype != torch.float32 else x
         out = int8_matmul(x, self.q, self.scales)
         return out if self.bias is None else out + self.bias
 
