@@ -92,8 +92,10 @@ class Decoder:
     model's device as the decoder is made (and the weights are float32), else the weights'.
     A bf16 decoder runs ``txlm.inference.precision.narrowed(model, "bf16")``, the model with
     its layers' projections held in bf16 (made once; the model is not copied or changed), and
-    its own copy of the output layer in that dtype; on a CPU its cache and the attention over
-    it stay float32. The model runs in eval mode during each call and returns to its mode.
+    its own copy of the output layer in that dtype; its cache and the attention over it are
+    bf16 too, except for an eager step on a CPU, where they stay float32 (the library's bf16
+    attention products are slower there). The model runs in eval mode during each call and
+    returns to its mode.
     """
 
     def __init__(
@@ -120,7 +122,7 @@ class Decoder:
         self.dtype = dtype
         half = dtype in (torch.float16, torch.bfloat16)
         cpu_half = half and self.device.type == "cpu" and self.weight_dtype == torch.float32
-        self.cache_dtype = torch.float32 if cpu_half else dtype
+        self.cache_dtype = dtype  # (a CPU's eager half step: float32, below)
         auto = compile == "auto"  # (decided below, once the decoder's weights are made)
         self.compile = step_compile(False if auto else compile, self.device) if cache else None
         if self.compile == PACKAGE and self.device.type != "cpu":
@@ -160,6 +162,10 @@ class Decoder:
         elif auto and cache and self.device.type == "cpu":
             self.package_key = kept(self._source())
             self.compile = None if self.package_key is None else PACKAGE
+        if cpu_half and self.compile != PACKAGE:
+            # the library's half products over a cache measured slower than float32 ones on
+            # a CPU; a packaged step's kernels read a half cache faster (half the bytes)
+            self.cache_dtype = torch.float32
         self.static = self.compile is not None or self.cuda_graph
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
@@ -329,9 +335,12 @@ class Decoder:
         if not self.cached:
             hidden = self._segment(ids.view(-1, 1), None)
         else:
-            # traced for one row: the layers' products as reductions the compiler fuses
-            one_row = torch.compiler.is_compiling() and ids.numel() == 1
-            with products_as_reductions() if one_row else contextlib.nullcontext():
+            # traced for one row: products as reductions the compiler fuses; exported for a
+            # package, the attention's only (its kernels multiply packed weights faster)
+            products = contextlib.nullcontext()
+            if torch.compiler.is_compiling() and ids.numel() == 1:
+                products = products_as_reductions(weights=not torch.compiler.is_exporting())
+            with products:
                 hidden, _, _ = self.net.transform(ids.view(-1, 1), cache=self.cache)
         return self._output(hidden[:, -1], sampling, noise)
 

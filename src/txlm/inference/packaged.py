@@ -19,6 +19,12 @@ eager step writes them: keys and values kv [N, 2, K, H, S, Dh], slot positions p
 document ids doc [K, S] and open_doc [K], the next position next_pos []. Its constants are
 the weights (in the decoder's precision) and the cache's position tables.
 
+Kernels (``options``). The weights are frozen into the package and packed for its kernels.
+A one-row step multiplies them by inductor's C++ template and traces the attention's
+products (each row's query against its own keys and values) as reductions fused with what
+surrounds them (txlm.inference.reductions); a step of more rows runs the library's packed
+products. A bf16 decoder's package reads a bf16 cache (half the bytes of keys and values).
+
 Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
 sha256 over everything the compiled code depends on beyond its step (every weight and
 buffer of the decoder's layers and head, the lengths, the precision and cache dtype, torch's
@@ -51,6 +57,25 @@ from txlm.inference.sampling import SamplingConfig
 from txlm.model.cache import KVCache
 
 STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
+
+
+def options(bucket: int) -> dict:
+    """AOTInductor's settings for a step of ``bucket`` rows: the weights frozen into the
+    package and packed for its kernels. One row multiplies each weight by inductor's C++
+    template (vector micro-kernels over blocked weights: float32, bf16, or int8 weights with
+    bf16 inputs), which measured faster there than the library's packed product; more rows
+    by the library's packed product, which measured as fast as the template there. Each
+    choice is fixed, not timed as the package is made (docs/performance-cpu.md, "The
+    packaged step"). The template's outputs are not fused with what follows them: torch
+    2.13 fails to lower a bf16 template's fused view ("wrong ndim")."""
+    if bucket > 1:
+        return {"freezing": True}
+    return {
+        "freezing": True,
+        "max_autotune": True,
+        "max_autotune_gemm_backends": "CPP",
+        "epilogue_fusion": False,
+    }
 
 
 @dataclass(frozen=True)
@@ -181,7 +206,10 @@ def _package(
     try:
         with warnings.catch_warnings():  # (torch's own, from inside its packaging)
             warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
-            torch._inductor.aoti_compile_and_package(program, package_path=scratch)
+            warnings.filterwarnings("ignore", r"TypedStorage is deprecated", UserWarning)
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=scratch, inductor_configs=options(ids.size(0))
+            )
         os.chmod(scratch, 0o644)  # (mkstemp's file is the owner's alone)
         os.replace(scratch, path)
     finally:

@@ -9,6 +9,11 @@ C35). The model's forward is written once with ordinary products; the decoder's 
 for one row traces it inside ``products_as_reductions()``, which rewrites them as it is
 traced. Eagerly, and for several rows (where a library product reuses each weight across
 rows), the products stay the library's.
+
+``products_as_reductions(weights=False)`` rewrites the attention's products only (``bmm``,
+``baddbmm``: each row's query against its own cached keys and values, nothing shared across
+rows) and leaves the weights' (``F.linear``, ``mm``, ``addmm``) to the compiler's kernels
+over packed weights: what the packaged step traces for one row (txlm.inference.packaged).
 """
 
 from __future__ import annotations
@@ -25,11 +30,17 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 class products_as_reductions(TorchFunctionMode):
-    """Inside it, ``F.linear``, ``mm``, ``addmm``, ``bmm`` and ``baddbmm`` (in place or not)
-    run as reductions."""
+    """Inside it, ``bmm`` and ``baddbmm`` (in place or not) run as reductions, and with
+    ``weights`` ``F.linear``, ``mm`` and ``addmm`` too."""
+
+    def __init__(self, weights: bool = True) -> None:
+        super().__init__()
+        self.weights = weights
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not self.weights and func in (F.linear, torch.mm, torch.addmm):
+            return func(*args, **kwargs)
         if func is F.linear:
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
