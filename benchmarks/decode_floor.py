@@ -8,21 +8,25 @@ rate and the bytes it must read at this process's measured read bandwidth:
                 weighted sum of values, 3 x 2 H Dh S per layer and row
     bytes       the weights the step multiplies (the layers' projections and the head, in
                 the decoder's precision: 4, 2 or 1 byte an entry; an adaptive softmax's tail
-                clusters in its float dtype; float32 scales, biases and LayerNorms), every
-                row's cached keys and values (N x 2 x H S Dh in the cache's dtype) and the
-                position keys (N x H S Dh, shared by the rows)
+                clusters in its float dtype; float32 biases and LayerNorms; bf16 int8
+                scales), every row's cached keys and values (N x 2 x H S Dh in the cache's
+                dtype: float32, or bf16 in a packaged bf16 step) and the position keys
+                (N x H S Dh in the cache's dtype, shared by the rows)
 
 An adaptive softmax's tail clusters count by the share of steps that read them: a greedy
 step skips a cluster whose head log-probability is below the best shortlist token's
 (txlm.inference.sampling.clusters_needed), counted over as many more steps of each eager
-path; the compiled step takes the eager fp32 step's share (it draws the same ids).
+path; a compiled or packaged step takes the share of the eager step of its precision.
 
 The matrix-product rate is a square product (1024^3, float32 and bf16) timed best-of; the read
 bandwidth a sum over a 256 MB buffer, far larger than the caches. Then the steps: a prompt
 fills the memory, and each step feeds one token per row and draws the next greedily (a whole
 ``Decoder.step``), best of a few rounds of ``--steps`` steps, for each path and batch size:
-eager fp32, compiled fp32 (``Decoder(compile=True)``, its first call timed apart), bf16
-weights (``dtype=torch.bfloat16``) and int8 weights (``int8=True``).
+eager fp32 (``fp32``), compiled fp32 (``compiled``: ``Decoder(compile=True)``, its first
+call timed apart), bf16 weights (``bf16``: ``dtype=torch.bfloat16``), int8 weights (``int8``:
+``int8=True``), and each precision's packaged step (``package``, ``bf16_package``,
+``int8_package``: ``Decoder(compile="package")``, exported and compiled ahead of time by
+AOTInductor, its first call making the package, kept in a scratch TXLM_HOME for the run).
 
 Two shapes (``--shape``): the decoding issue's (d_model 256, 4 layers, a 10k full softmax,
 memory 512) and wt103-base's (the paper's 151M model: 16 layers of d_model 410, the 267,735
@@ -30,7 +34,8 @@ word vocabulary in an adaptive softmax with cutoffs 20k, 40k, 200k, and its eval
 memory 640, clamp_len 400, same_length).
 
     python benchmarks/decode_floor.py [--shape issue|wt103-base] [--threads 1] [--batches 1,16]
-                                      [--paths fp32,compiled,bf16,int8] [--no-compile]
+                                      [--paths fp32,compiled,package,bf16,bf16_package,...]
+                                      [--no-compile]
 
 Writes runs/bench/decode_floor.json (--out; benchmarks/results/decode_floor.json holds the
 committed figures) and prints a table.
@@ -40,7 +45,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +74,18 @@ SHAPES = {
 CONFIG_FIELDS = ("vocab_size", "n_layer", "d_model", "n_head", "d_head", "d_inner", "mem_len",
                  "clamp_len", "same_length", "cutoffs", "div_val")  # fmt: skip
 GREEDY = SamplingConfig(greedy=True)
-ENTRY = {"fp32": 4, "compiled": 4, "bf16": 2, "int8": 1}  # bytes a weight entry
+ENTRY = {"fp32": 4, "bf16": 2, "int8": 1}  # bytes a weight entry, by precision
+# each path: the Decoder's arguments and its precision
+PATHS = {
+    "fp32": ({}, "fp32"),
+    "compiled": ({"compile": True}, "fp32"),
+    "package": ({"compile": "package"}, "fp32"),
+    "bf16": ({"dtype": torch.bfloat16}, "bf16"),
+    "bf16_package": ({"dtype": torch.bfloat16, "compile": "package"}, "bf16"),
+    "int8": ({"int8": True}, "int8"),
+    "int8_package": ({"int8": True, "compile": "package"}, "int8"),
+}
+COMPILED = ("compiled", "package", "bf16_package", "int8_package")
 
 
 def cpu_name() -> str:
@@ -131,10 +149,15 @@ def output_entries(c: ModelConfig) -> tuple[int, list[int], int]:
 
 
 def step_cost(
-    c: ModelConfig, batch: int, path: str, tails_read: list[float] | None = None
+    c: ModelConfig,
+    batch: int,
+    precision: str,
+    tails_read: list[float] | None = None,
+    cache_entry: int = 4,
 ) -> tuple[float, float]:
     """(FLOPs, bytes) of one step of ``batch`` rows (see the module docstring).
-    ``tails_read``: the share of steps that computed each tail cluster (None: every step)."""
+    ``tails_read``: the share of steps that computed each tail cluster (None: every step);
+    ``cache_entry``: bytes an entry of the cache."""
     d, inner, f, n = c.d_model, c.n_head * c.d_head, c.d_inner, c.n_layer
     slots = c.mem_len + 1
     per_layer = d * 3 * inner + inner * d + d * f + f * d  # weight entries
@@ -142,22 +165,21 @@ def step_cost(
     shares = [1.0] * len(clusters) if tails_read is None else tails_read
     tails = sum(e * share for e, share in zip(clusters, shares, strict=True))
     flops = batch * (2 * (n * per_layer + head + tails) + n * 3 * 2 * inner * slots)
-    weights = (n * per_layer + head) * ENTRY[path] + tails * (2 if path == "bf16" else 4)
-    small = 4 * (n * (2 * f + 4 * d) + c.vocab_size)  # biases, LayerNorms, scales (float32)
-    if path == "int8":
-        small += 4 * (n * (3 * inner + d + f + d) + head_rows)
-    cache = 4 * n * (batch * 2 + 1) * inner * slots  # keys, values per row; position keys
+    weights = (n * per_layer + head) * ENTRY[precision] + tails * (2 if precision == "bf16" else 4)
+    small = 4 * (n * (2 * f + 4 * d) + c.vocab_size)  # biases, LayerNorms (float32)
+    if precision == "int8":  # its scales (bf16)
+        small += 2 * (n * (3 * inner + d + f + d) + head_rows)
+    # keys, values per row; position keys
+    cache = cache_entry * n * (batch * 2 + 1) * inner * slots
     return flops, weights + small + cache
 
 
 def time_steps(model: TransformerXL, batch: int, path: str, steps: int) -> dict:
-    kw = {"fp32": {}, "compiled": {"compile": True}, "bf16": {"dtype": torch.bfloat16},
-          "int8": {"int8": True}}[path]  # fmt: skip
-    dec = Decoder(model, **kw)
+    dec = Decoder(model, **PATHS[path][0])
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, model.config.mem_len), generator=g)
     ids = dec.prefill(prompts.tolist(), sampling=GREEDY)
-    out: dict = {}
+    out: dict = {"cache_entry": dec.cache_dtype.itemsize}
     t = time.perf_counter()
     ids = dec.step(ids, GREEDY)
     out["first_step_s"] = round(time.perf_counter() - t, 3)  # a compiled step compiles here
@@ -169,7 +191,7 @@ def time_steps(model: TransformerXL, batch: int, path: str, steps: int) -> dict:
 
     out["step_ms"] = round(best(run, 1, rounds=3) / steps * 1e3, 3)
     clusters = model.softmax.n_clusters
-    if clusters and path != "compiled":  # (a compiled step's reads are the eager one's)
+    if clusters and path not in COMPILED:  # (a compiled step's reads are the eager one's)
         out["tails_read"] = tails_read(dec, clusters, steps, ids)
     return out
 
@@ -199,17 +221,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--no-compile", action="store_true", help="skip the compiled step")
-    ap.add_argument("--paths", default="fp32,compiled,bf16,int8",
-                    help="the steps to time, of fp32, compiled, bf16, int8")  # fmt: skip
+    ap.add_argument("--no-compile", action="store_true", help="skip the compiled steps")
+    ap.add_argument("--paths", default=",".join(PATHS),
+                    help=f"the steps to time, of {', '.join(PATHS)}")  # fmt: skip
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     saved = torch.get_num_threads()
     torch.set_num_threads(args.threads)
+    held = os.environ.get("TXLM_HOME")
     try:
-        result = run(args)
+        with tempfile.TemporaryDirectory() as home:
+            os.environ["TXLM_HOME"] = home  # (the packaged step's packages: this run's own)
+            result = run(args)
     finally:
         torch.set_num_threads(saved)
+        if held is None:
+            os.environ.pop("TXLM_HOME", None)
+        else:
+            os.environ["TXLM_HOME"] = held
     text = json.dumps(result, indent=2)
     atomic.write_text(args.out, text + "\n")
     print(text)
@@ -223,15 +252,19 @@ def run(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_preset(preset, **overrides)
     torch.manual_seed(0)
     model = TransformerXL(config).eval()
-    paths = [p for p in args.paths.split(",") if not (args.no_compile and p == "compiled")]
+    paths = [p for p in args.paths.split(",") if not (args.no_compile and p in COMPILED)]
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
-        read = None  # the batch's fp32 eager step's tail clusters (the compiled step's too)
+        read: dict = {}  # each precision's eager step's tail clusters (its compiled steps' too)
         for path in paths:
             timed = time_steps(model, batch, path, args.steps)
-            read = timed.get("tails_read", read if path == "compiled" else None)
-            flops, nbytes = step_cost(config, batch, path, read)
-            rate = rates["bf16" if path == "bf16" else "fp32"]
+            precision = PATHS[path][1]
+            if path not in COMPILED:
+                read[precision] = timed.get("tails_read")
+            flops, nbytes = step_cost(
+                config, batch, precision, read.get(precision), timed["cache_entry"]
+            )
+            rate = rates["bf16" if precision == "bf16" else "fp32"]
             floor = max(flops / rate, nbytes / bandwidth)
             row = {
                 "batch": batch, "path": path, **timed,
@@ -242,8 +275,6 @@ def run(args: argparse.Namespace) -> dict:
             }  # fmt: skip
             rows.append(row)
             print(row, flush=True)
-            if path == "fp32":
-                read = timed.get("tails_read")
     return {
         **machine(args.threads),
         "shape": args.shape,
