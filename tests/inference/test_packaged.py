@@ -113,8 +113,9 @@ def test_a_packaged_step_off_a_cpu_is_refused(monkeypatch):
 def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
     tmp_path, monkeypatch, precision: str
 ):
-    """One row multiplies each weight by inductor's C++ template (``packaged.options``); a
-    bf16 package reads a bf16 cache, its eager decoder a float32 one. Teacher-forced
+    """A one-row package (``packaged.options``: int8 weights through inductor's C++
+    template, bf16 ones through the library's packed product); a bf16 package reads a bf16
+    cache, its eager decoder a float32 one. Teacher-forced
     log-probabilities over a memory that wraps stay within the two's rounding of each other,
     and keep the float32 decoder's choice where it is clear."""
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
@@ -143,7 +144,9 @@ def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
     assert eager.cache_dtype == torch.float32
     assert packed.cache_dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
     got, want, full = log_probs(packed), log_probs(eager), log_probs(Decoder(model))
-    assert made == [packaged.options(1)] and made[0]["max_autotune_gemm_backends"] == "CPP"
+    assert made == [packaged.options(1, precision)]
+    # int8: inductor's C++ template; bf16: the library's packed product (measured faster)
+    assert made[0].get("max_autotune_gemm_backends") == ("CPP" if precision == "int8" else None)
     diff = (got - want).abs().max()
     assert 0 < diff < TOLERANCE[precision], diff
     clear = (full.topk(2).values[:, 0] - full.topk(2).values[:, 1]) > 0.2

@@ -366,7 +366,7 @@ class Decoder:
         """What a packaged step of this decoder is made of (txlm.inference.packaged)."""
         return Source(
             token=self._token, cache=lambda: self.cache, modules=(self.net, self.head),
-            setting=(self.lengths, self.precision, self.cache_dtype),
+            precision=self.precision, setting=(self.lengths, self.cache_dtype),
         )  # fmt: skip
 
     def _narrow(self) -> None:

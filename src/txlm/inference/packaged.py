@@ -20,10 +20,11 @@ document ids doc [K, S] and open_doc [K], the next position next_pos []. Its con
 the weights (in the decoder's precision) and the cache's position tables.
 
 Kernels (``options``). The weights are frozen into the package and packed for its kernels.
-A one-row step multiplies them by inductor's C++ template and traces the attention's
-products (each row's query against its own keys and values) as reductions fused with what
-surrounds them (txlm.inference.reductions); a step of more rows runs the library's packed
-products. A bf16 decoder's package reads a bf16 cache (half the bytes of keys and values).
+A one-row step multiplies float32 and int8 weights by inductor's C++ template (bf16 ones by
+the library's packed product) and traces the attention's products (each row's query against
+its own keys and values) as reductions fused with what surrounds them
+(txlm.inference.reductions); a step of more rows runs the library's packed products. A bf16
+decoder's package reads a bf16 cache (half the bytes of keys and values).
 
 Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
 sha256 over everything the compiled code depends on beyond its step (every weight and
@@ -59,16 +60,17 @@ from txlm.model.cache import KVCache
 STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
 
 
-def options(bucket: int) -> dict:
-    """AOTInductor's settings for a step of ``bucket`` rows: the weights frozen into the
-    package and packed for its kernels. One row multiplies each weight by inductor's C++
-    template (vector micro-kernels over blocked weights: float32, bf16, or int8 weights with
-    bf16 inputs), which measured faster there than the library's packed product; more rows
-    by the library's packed product, which measured as fast as the template there. Each
-    choice is fixed, not timed as the package is made (docs/performance-cpu.md, "The
-    packaged step"). The template's outputs are not fused with what follows them: torch
-    2.13 fails to lower a bf16 template's fused view ("wrong ndim")."""
-    if bucket > 1:
+def options(bucket: int, precision: str) -> dict:
+    """AOTInductor's settings for a step of ``bucket`` rows in ``precision``: the weights
+    frozen into the package and packed for its kernels. One row multiplies float32 and int8
+    weights by inductor's C++ template (vector micro-kernels over blocked weights; int8 on
+    bf16 inputs), which measured faster there than the library's packed product; bf16
+    weights, and more rows, by the library's packed product, which measured faster for bf16
+    and as fast at more rows. Each choice is fixed, not timed as the package is made
+    (docs/performance-cpu.md, "The packaged step's settings"). The template's outputs are
+    not fused with what follows them: torch 2.13 failed to lower a fused view of a bf16
+    template's output ("wrong ndim")."""
+    if bucket > 1 or precision == "bf16":
         return {"freezing": True}
     return {
         "freezing": True,
@@ -82,12 +84,13 @@ def options(bucket: int) -> dict:
 class Source:
     """What a decoder's packaged step is made of: its ``token`` step ((ids, noise,
     sampling) -> next ids or log-probabilities, over the cache ``cache()`` gives), the
-    ``modules`` whose weights it multiplies, and the ``setting`` beyond them that its code
-    depends on (lengths, precision, cache dtype)."""
+    ``modules`` whose weights it multiplies, their ``precision`` ("fp32", "bf16", "int8"),
+    and the ``setting`` beyond them that its code depends on (lengths, cache dtype)."""
 
     token: Callable[[Tensor, Tensor | None, SamplingConfig | None], Tensor]
     cache: Callable[[], KVCache | None]
     modules: Sequence[nn.Module]
+    precision: str
     setting: tuple
 
 
@@ -126,7 +129,7 @@ def model_key(source: Source) -> str:
         for name, t in [*module.named_parameters(), *module.named_buffers()]:
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
             h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    h.update(f"{source.setting!r}:{torch.__version__}".encode())
+    h.update(f"{source.precision}:{source.setting!r}:{torch.__version__}".encode())
     h.update(str(torch.backends.cpu.get_cpu_capability()).encode())
     h.update(_source_digest().encode())
     return h.hexdigest()[:32]
@@ -208,7 +211,9 @@ def _package(
             warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", r"TypedStorage is deprecated", UserWarning)
             torch._inductor.aoti_compile_and_package(
-                program, package_path=scratch, inductor_configs=options(ids.size(0))
+                program,
+                package_path=scratch,
+                inductor_configs=options(ids.size(0), source.precision),
             )
         os.chmod(scratch, 0o644)  # (mkstemp's file is the owner's alone)
         os.replace(scratch, path)
