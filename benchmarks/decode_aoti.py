@@ -20,7 +20,9 @@ The step exported is the decoder's own one-token step (``Decoder._token``: the m
 forward over the static cache, the output layer, the draw) as a module whose inputs are
 the ids and the cache's tensors the step writes (keys and values, slot positions, the next
 position), written in place by the packaged code as by the eager one; the weights and the
-cache's position tables are the package's constants.
+cache's position tables are the package's constants, compiled with the packaged step's
+settings (``txlm.inference.packaged.options``: the weights frozen and packed, one row through
+inductor's C++ template).
 
     python benchmarks/decode_aoti.py [--threads 1] [--batches 1,16] [--steps 30] [--rounds 5]
 
@@ -46,6 +48,7 @@ from decode_floor import GREEDY, SHAPE, machine
 from txlm import atomic
 from txlm.config import ModelConfig
 from txlm.inference.decode import Decoder
+from txlm.inference.packaged import options
 from txlm.model import TransformerXL
 
 RESULTS = Path("runs") / "bench" / "decode_aoti.json"
@@ -93,7 +96,10 @@ def package(net: TransformerXL, batch: int, path: Path) -> dict:
         program = torch.export.export(Step(decoder), (ids.clone(), *state), strict=False)
     exported = time.perf_counter() - t
     t = time.perf_counter()
-    torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+    configs = options(batch, "fp32")  # (the packaged step's, txlm.inference.packaged)
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(path), inductor_configs=configs
+    )
     return {"export_s": round(exported, 2), "compile_s": round(time.perf_counter() - t, 2)}
 
 

@@ -1,0 +1,168 @@
+"""The packaged decoding step's settings, each against the one txlm ships, side by side.
+
+A shape of ``decode_floor.py`` (``--shape``: the decoding issue's, d_model 256, 4 layers, a
+10k full softmax, memory 512, or wt103-base's), the prompt filling the memory, greedy draws,
+for each batch size: one packaged decoder (``Decoder(compile="package")``,
+txlm.inference.packaged) per variant of how its step is compiled, each packaged in a scratch
+TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the variants:
+
+    shipped     ``packaged.options``: the weights frozen and packed; one row through
+                inductor's C++ template, more rows through the library's packed products
+    library     the library's packed products at every batch size (freezing alone)
+    timed       inductor times its C++ template against the library's packed product for
+                each weight product as it packages (max-autotune, "CPP,ATEN")
+    unfrozen    AOTInductor's defaults: the weights as constants, not packed
+    reductions  the shipped settings, but a one-row step's weight products traced as
+                reductions too (as ``torch.compile``'s one-row step traces them), not only
+                the attention's
+    bf16        ``--precision bf16`` as shipped: bf16 weights and a bf16 cache
+    bf16_f32kv  bf16 weights over a float32 cache
+    bf16_library  bf16 as ``library``
+    int8        ``--precision int8`` as shipped
+    int8_library  int8 as ``library``
+
+and reports each variant's packaging time, its step (best round) and its speed against the
+shipped fp32 step's (median of the per-round ratios, above 1: faster).
+
+    python benchmarks/decode_package.py [--shape issue|wt103-base] [--threads 1]
+                                        [--batches 1,16] [--variants shipped,library,...]
+
+Writes runs/bench/decode_package.json (--out) and prints each row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_floor import GREEDY, SHAPES, machine
+from txlm import atomic
+from txlm.config import ModelConfig
+from txlm.inference import decode, packaged
+from txlm.inference.decode import Decoder
+from txlm.inference.reductions import products_as_reductions
+from txlm.model import TransformerXL
+
+RESULTS = Path("runs") / "bench" / "decode_package.json"
+TIMED = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "max_autotune_report_choices_stats": False,
+    "epilogue_fusion": False,
+}
+# variant: (the decoder's arguments, inductor's settings by bucket, weights as reductions)
+VARIANTS = {
+    "shipped": ({}, packaged.options, False),
+    "library": ({}, lambda bucket: {"freezing": True}, False),
+    "timed": ({}, lambda bucket: TIMED, False),
+    "unfrozen": ({}, lambda bucket: {}, False),
+    "reductions": ({}, packaged.options, True),
+    "bf16": ({"dtype": torch.bfloat16}, packaged.options, False),
+    "bf16_f32kv": ({"dtype": torch.bfloat16}, packaged.options, False),
+    "bf16_library": ({"dtype": torch.bfloat16}, lambda bucket: {"freezing": True}, False),
+    "int8_library": ({"int8": True}, lambda bucket: {"freezing": True}, False),
+    "int8": ({"int8": True}, packaged.options, False),
+}
+
+
+def prefilled(
+    model: TransformerXL, variant: str, batch: int
+) -> tuple[Decoder, torch.Tensor, float]:
+    """A packaged decoder of ``variant`` after its prompts and its first step (which packages
+    it): the decoder, the ids it drew, the seconds that first step took."""
+    kw, options, weights = VARIANTS[variant]
+    dec = Decoder(model, compile="package", **kw)
+    if variant == "bf16_f32kv":
+        dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
+        dec.package_key = packaged.model_key(dec._source())
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, model.config.mem_len), generator=g)
+    ids = dec.prefill(prompts.tolist(), sampling=GREEDY)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(packaged, "options", options))
+        if weights:  # the one-row step's weight products as reductions too
+            every = functools.partial(products_as_reductions, weights=True)
+            stack.enter_context(
+                mock.patch.object(decode, "products_as_reductions", lambda weights: every())
+            )
+        quiet = stack.enter_context(open(os.devnull, "w"))  # (inductor's timing tables)
+        stack.enter_context(contextlib.redirect_stderr(quiet))
+        t = time.perf_counter()
+        ids = dec.step(ids, GREEDY)
+        first = time.perf_counter() - t
+    return dec, ids, first
+
+
+def run(model: TransformerXL, batch: int, variants: list[str], args) -> list[dict]:
+    made = {}
+    for v in variants:
+        with tempfile.TemporaryDirectory() as home, mock.patch.dict(os.environ, TXLM_HOME=home):
+            made[v] = list(prefilled(model, v, batch))
+            print(f"batch {batch} {v}: packaged in {made[v][2]:.1f} s", flush=True)
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for v in variants:
+            dec, ids = made[v][:2]
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                ids = dec.step(ids, GREEDY)
+            times[v].append((time.perf_counter() - t) / args.steps)
+            made[v][1] = ids
+    anchor = times.get("shipped")
+    rows = []
+    for v in variants:
+        row = {"batch": batch, "variant": v, "package_s": round(made[v][2], 1),
+               "step_ms": round(min(times[v]) * 1e3, 3)}  # fmt: skip
+        if anchor is not None:
+            ratios = [a / t for a, t in zip(anchor, times[v], strict=True)]
+            row["vs_shipped_fp32"] = round(statistics.median(ratios), 2)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=list(SHAPES), default="issue")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; of {', '.join(VARIANTS)}")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        preset, overrides = SHAPES[args.shape]
+        torch.manual_seed(0)
+        model = TransformerXL(ModelConfig.from_preset(preset, **overrides)).eval()
+        rows = [r for b in args.batches.split(",") for r in run(model, int(b), variants, args)]
+    finally:
+        torch.set_num_threads(saved)
+    result = {**machine(args.threads), "shape": args.shape, "rows": rows}
+    text = json.dumps(result, indent=2)
+    atomic.write_text(args.out, text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
