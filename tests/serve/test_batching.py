@@ -96,8 +96,15 @@ def test_concurrent_rows_equal_each_request_alone(lm_path, offline, compile, req
         assert len(graphs) == len({bucket(n) for n in sizes}) > 1
 
 
-def test_a_client_that_goes_away_frees_its_row(server, http):
+def test_a_client_that_goes_away_frees_its_row(server, http, monkeypatch):
     engine = server.engine
+
+    def hold(e):  # once text went out, no step until the client is gone: it cannot finish
+        if any(text.emitted for job in e.active for text in job.texts):
+            with e.cond:
+                assert e.cond.wait_for(lambda: all(j.cancelled for j in e.active), TIMEOUT)
+
+    monkeypatch.setattr(engine, "step_hook", hold)
     body = {"prompt": "ROMEO:", "max_tokens": 4000, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
         first = next(r.iter_lines())
@@ -107,6 +114,7 @@ def test_a_client_that_goes_away_frees_its_row(server, http):
     # the stream closed mid-way: its row leaves at the next step
     with engine.cond:
         assert engine.cond.wait_for(lambda: not engine.active, TIMEOUT)
+    engine.step_hook = None
     ok = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200
 
