@@ -32,7 +32,6 @@ Writes runs/bench/decode_aoti.json (--out) and prints each row.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -44,8 +43,7 @@ import torch
 from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_floor import GREEDY, SHAPE, machine
-from txlm import atomic
+from decode_floor import GREEDY, SHAPE, machine, write_result
 from txlm.config import ModelConfig
 from txlm.inference.decode import Decoder
 from txlm.inference.packaged import options
@@ -145,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(saved)
     result = {**machine(args.threads), "shape": SHAPE, "rows": rows}
-    text = json.dumps(result, indent=2)
-    atomic.write_text(args.out, text + "\n")
-    print(text)
+    write_result(args.out, result)
     return 0
 
 

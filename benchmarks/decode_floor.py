@@ -110,6 +110,13 @@ def machine(threads: int) -> dict:
     }
 
 
+def write_result(out: str | Path, result: dict) -> None:
+    """``result`` as JSON in ``out`` (atomically) and on stdout."""
+    text = json.dumps(result, indent=2)
+    atomic.write_text(out, text + "\n")
+    print(text)
+
+
 def best(fn, reps: int, rounds: int = 5) -> float:
     """Seconds per call, best of ``rounds`` rounds of ``reps`` calls."""
     fn()
@@ -239,9 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("TXLM_HOME", None)
         else:
             os.environ["TXLM_HOME"] = held
-    text = json.dumps(result, indent=2)
-    atomic.write_text(args.out, text + "\n")
-    print(text)
+    write_result(args.out, result)
     return 0
 
 

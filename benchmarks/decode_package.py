@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 import statistics
 import sys
@@ -47,8 +46,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_floor import GREEDY, SHAPES, machine
-from txlm import atomic
+from decode_floor import GREEDY, SHAPES, machine, write_result
 from txlm.config import ModelConfig
 from txlm.inference import decode, packaged
 from txlm.inference.decode import Decoder
@@ -164,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(saved)
     result = {**machine(args.threads), "shape": args.shape, "rows": rows}
-    text = json.dumps(result, indent=2)
-    atomic.write_text(args.out, text + "\n")
-    print(text)
+    write_result(args.out, result)
     return 0
 
 

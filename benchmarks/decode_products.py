@@ -17,7 +17,6 @@ Writes runs/bench/decode_products.json (--out) and prints it.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decode_floor import GREEDY, SHAPE, cpu_name
-from txlm import atomic
+from decode_floor import GREEDY, SHAPE, cpu_name, write_result
 from txlm.config import ModelConfig
 from txlm.inference.decode import Decoder
 from txlm.inference.precision import RowLinear
@@ -140,9 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
     finally:
         torch.set_num_threads(saved)
-    text = json.dumps(result, indent=2)
-    atomic.write_text(args.out, text + "\n")
-    print(text)
+    write_result(args.out, result)
     return 0
 
 

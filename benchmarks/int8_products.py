@@ -30,16 +30,14 @@ Writes runs/bench/int8_products.json (--out) and prints each row.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from decode_floor import cpu_name
+from decode_floor import cpu_name, write_result
 from decode_products import PRODUCTS, cold_us
-from txlm import atomic
 from txlm.inference.precision import int8_matmul, quantize_int8
 
 RESULTS = Path("runs") / "bench" / "int8_products.json"
@@ -137,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
         "threads": args.threads, "products": rows_out,
     }  # fmt: skip
-    text = json.dumps(result, indent=2)
-    atomic.write_text(args.out, text + "\n")
-    print(text)
+    write_result(args.out, result)
     return 0
 
 
