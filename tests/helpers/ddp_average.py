@@ -10,6 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from txlm.training import distributed
 from txlm.training.config import resolve
 from txlm.training.loop import Trainer
 
@@ -20,6 +21,7 @@ def main(out: str, sets: list[str]) -> None:
     assert trainer.average is not None
     rank = int(os.environ.get("RANK", "0"))
     save_file(trainer.average.state_dict(), str(Path(out) / f"average.rank{rank}.safetensors"))
+    distributed.exit_rank(0)  # as txlm train ends a rank
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 from txlm import atomic
@@ -108,6 +106,7 @@ def _remove_run(out: Path, names: list[str]) -> None:
 def run(args: argparse.Namespace) -> int:
     from txlm.checkpoints import checkpoint
     from txlm.errors import CheckpointError
+    from txlm.training import distributed
     from txlm.training.config import TrainConfig, resolve
 
     base = None
@@ -169,12 +168,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json and trainer.dist.is_main:
         print(json.dumps(summary))
     code = int(summary.get("exit_code", 0))
-    if trainer.dist.enabled:
-        # Under torchrun with gloo (torch 2.13) a rank can abort after Python is done, in C++
-        # teardown ("terminate called without an active exception", no Python frame), and
-        # torchrun then reports the run failed.
-        # Everything is written, closed and the process group left by now: skip the teardown.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if trainer.dist.enabled:  # everything is written and the group left
+        distributed.exit_rank(code)
     return code

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,16 @@ def shutdown() -> None:
     if active():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a torchrun rank whose work is written and closed and whose group is left, skipping
+    the interpreter's teardown: under gloo (torch 2.13) a rank can abort in C++ teardown
+    ("terminate called without an active exception", no Python frame), and torchrun then
+    reports the whole run failed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def barrier() -> None:
