@@ -118,7 +118,6 @@ def test_a_client_that_goes_away_frees_its_row(server, http, monkeypatch):
     # the stream closed mid-way: its row leaves at the next step
     with engine.cond:
         assert engine.cond.wait_for(lambda: not ours(engine), TIMEOUT)
-    engine.step_hook = None
     ok = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
     assert ok.status_code == 200
 
