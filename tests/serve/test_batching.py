@@ -111,7 +111,8 @@ def test_a_client_that_goes_away_frees_its_row(server, http, monkeypatch):
     monkeypatch.setattr(engine, "step_hook", hold)
     body = {"prompt": "ROMEO:", "max_tokens": long, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as r:
-        first = next(r.iter_lines())
+        lines = r.iter_lines()  # (kept: a dropped line iterator closes the connection)
+        first = next(lines)
         assert first.startswith("data: ")
         with engine.cond:  # (its first token may arrive before its row joins the batch)
             assert engine.cond.wait_for(lambda: ours(engine), TIMEOUT)
