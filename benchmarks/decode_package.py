@@ -8,15 +8,17 @@ TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the va
 
     shipped     ``packaged.options``: the weights frozen and packed; one row through
                 inductor's C++ template, more rows through the library's packed products
+                (bf16 weights at one row: ``packaged.weights_as_reductions``)
     library     the library's packed products at every batch size (freezing alone)
     timed       inductor times its C++ template against the library's packed product for
                 each weight product as it packages (max-autotune, "CPP,ATEN")
     unfrozen    AOTInductor's defaults: the weights as constants, not packed
     reductions  the shipped settings, but a one-row step's weight products traced as
-                reductions too (as ``torch.compile``'s one-row step traces them), not only
-                the attention's
-    bf16        ``--precision bf16`` as shipped: bf16 weights and a bf16 cache
+                reductions too (as a bf16 package's are), not only the attention's
+    bf16        ``--precision bf16`` as shipped: bf16 weights and a bf16 cache; one row:
+                the weight products traced as reductions, each weight read along rows
     bf16_f32kv  bf16 weights over a float32 cache
+    bf16_library  bf16 weights through the library's packed product at one row
     bf16_template  bf16 weights as fp32's are shipped (one row: inductor's C++ template)
     int8        ``--precision int8`` as shipped
     int8_library  int8 as ``library``
@@ -34,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -50,7 +51,6 @@ from decode_floor import GREEDY, SHAPES, machine, write_result
 from txlm.config import ModelConfig
 from txlm.inference import decode, packaged
 from txlm.inference.decode import Decoder
-from txlm.inference.reductions import products_as_reductions
 from txlm.model import TransformerXL
 
 RESULTS = Path("runs") / "bench" / "decode_package.json"
@@ -63,22 +63,26 @@ TIMED = {
     "max_autotune_report_choices_stats": False,
     "epilogue_fusion": False,
 }
-# variant: (the decoder's arguments, inductor's settings by bucket, weights as reductions)
+REDUCED = packaged.weights_as_reductions  # (the shipped choice, as the variants patch it)
+BF16 = {"dtype": torch.bfloat16}
+# variant: (the decoder's arguments, inductor's settings by bucket, a one-row package's
+# weight products as reductions by precision)
 VARIANTS = {
-    "shipped": ({}, SHIPPED, False),
-    "library": ({}, lambda bucket, precision: LIBRARY, False),
-    "timed": ({}, lambda bucket, precision: TIMED, False),
-    "unfrozen": ({}, lambda bucket, precision: {}, False),
-    "reductions": ({}, SHIPPED, True),
-    "bf16": ({"dtype": torch.bfloat16}, SHIPPED, False),
-    "bf16_f32kv": ({"dtype": torch.bfloat16}, SHIPPED, False),
+    "shipped": ({}, SHIPPED, REDUCED),
+    "library": ({}, lambda bucket, precision: LIBRARY, REDUCED),
+    "timed": ({}, lambda bucket, precision: TIMED, REDUCED),
+    "unfrozen": ({}, lambda bucket, precision: {}, REDUCED),
+    "reductions": ({}, SHIPPED, lambda precision: True),
+    "bf16": (BF16, SHIPPED, REDUCED),
+    "bf16_f32kv": (BF16, SHIPPED, REDUCED),
+    "bf16_library": (BF16, lambda bucket, precision: LIBRARY, lambda precision: False),
     "bf16_template": (
-        {"dtype": torch.bfloat16},
+        BF16,
         lambda bucket, precision: SHIPPED(bucket, "fp32"),
-        False,
+        lambda precision: False,
     ),
-    "int8_library": ({"int8": True}, lambda bucket, precision: LIBRARY, False),
-    "int8": ({"int8": True}, SHIPPED, False),
+    "int8_library": ({"int8": True}, lambda bucket, precision: LIBRARY, REDUCED),
+    "int8": ({"int8": True}, SHIPPED, REDUCED),
 }
 
 
@@ -87,7 +91,7 @@ def prefilled(
 ) -> tuple[Decoder, torch.Tensor, float]:
     """A packaged decoder of ``variant`` after its prompts and its first step (which packages
     it): the decoder, the ids it drew, the seconds that first step took."""
-    kw, options, weights = VARIANTS[variant]
+    kw, options, reduced = VARIANTS[variant]
     dec = Decoder(model, compile="package", **kw)
     if variant == "bf16_f32kv":
         dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
@@ -97,11 +101,8 @@ def prefilled(
     ids = dec.prefill(prompts.tolist(), sampling=GREEDY)
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(packaged, "options", options))
-        if weights:  # the one-row step's weight products as reductions too
-            every = functools.partial(products_as_reductions, weights=True)
-            stack.enter_context(
-                mock.patch.object(decode, "products_as_reductions", lambda weights: every())
-            )
+        for module in (decode, packaged):  # (where the step's trace and options ask)
+            stack.enter_context(mock.patch.object(module, "weights_as_reductions", reduced))
         quiet = stack.enter_context(open(os.devnull, "w"))  # (inductor's timing tables)
         stack.enter_context(contextlib.redirect_stderr(quiet))
         t = time.perf_counter()

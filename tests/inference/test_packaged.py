@@ -25,6 +25,7 @@ STEPS = 60  # the debug preset's memory of 16 wraps several times
 # and values rounded to bf16 in its cache where the eager one keeps float32 (measured
 # 0.0045); int8, the same bf16 products summed by another kernel (measured 0.0004)
 TOLERANCE = {"fp32": 1e-5, "bf16": 0.03, "int8": 0.004}
+PACKED = ["_weight_int8pack_mm"]  # (int8's product, beside mm, addmm, linear)
 
 
 def _model(seed: int = 5):
@@ -115,16 +116,24 @@ def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
     tmp_path, monkeypatch, precision: str
 ):
     """A one-row package (``packaged.options``: float32 and int8 weights through inductor's
-    C++ template, bf16 ones through the library's packed product); a bf16 package reads a
-    bf16 cache, its eager decoder a float32 one. Teacher-forced log-probabilities over a
-    memory that wraps stay within the two's rounding of each other, and keep the float32
-    decoder's choice where it is clear."""
+    C++ template, bf16 ones traced as reductions read along the weights' rows); a bf16
+    package reads a bf16 cache, its eager decoder a float32 one. Teacher-forced
+    log-probabilities over a memory that wraps stay within the two's rounding of each other,
+    and keep the float32 decoder's choice where it is clear."""
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
     made = []
     real = torch._inductor.aoti_compile_and_package
 
+    layer_products = []  # the exported step's products that read a layer's weight
+
     def recorded(program, **kwargs):
         made.append(dict(kwargs["inductor_configs"]))  # (a copy: torch adds its own)
+        sig = program.graph_signature
+        names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
+        for node in program.graph.nodes:
+            if str(node.target).split(".")[1:2] in (["mm"], ["addmm"], ["linear"], PACKED):
+                reads = [names.get(getattr(a, "name", None), "") for a in node.args]
+                layer_products.extend(r for r in reads if ".layers." in r)
         return real(program, **kwargs)
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recorded)
@@ -146,9 +155,11 @@ def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
     assert packed.cache_dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
     got, want, full = log_probs(packed), log_probs(eager), log_probs(Decoder(model))
     assert made == [packaged.options(1, precision)]
-    # float32, int8: inductor's C++ template; bf16: the library's packed product
+    # float32, int8: inductor's C++ template; bf16: the layers' products traced as
+    # reductions, the output layer's alone left a product
     template = made[0].get("max_autotune_gemm_backends") == "CPP"
     assert template == (precision != "bf16")
+    assert (layer_products == []) == (precision == "bf16"), layer_products
     diff = (got - want).abs().max()
     assert 0 < diff < TOLERANCE[precision], diff
     clear = (full.topk(2).values[:, 0] - full.topk(2).values[:, 1]) > 0.2

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.inference.compiled import PACKAGE, StepCompile, bucket, pad, step_compile
-from txlm.inference.packaged import Source, kept, model_key, packaged
+from txlm.inference.packaged import Source, kept, model_key, packaged, weights_as_reductions
 from txlm.inference.precision import narrow_linear, narrowed
 from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
@@ -336,10 +336,12 @@ class Decoder:
             hidden = self._segment(ids.view(-1, 1), None)
         else:
             # traced for one row: products as reductions the compiler fuses; exported for a
-            # package, the attention's only (its kernels multiply packed weights faster)
+            # package, the weights' too where the package says so (txlm.inference.packaged)
             products = contextlib.nullcontext()
             if torch.compiler.is_compiling() and ids.numel() == 1:
-                products = products_as_reductions(weights=not torch.compiler.is_exporting())
+                exporting = torch.compiler.is_exporting()
+                weights = not exporting or weights_as_reductions(self.precision)
+                products = products_as_reductions(weights=weights, frozen=exporting)
             with products:
                 hidden, _, _ = self.net.transform(ids.view(-1, 1), cache=self.cache)
         return self._output(hidden[:, -1], sampling, noise)

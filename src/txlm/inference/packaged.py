@@ -19,12 +19,13 @@ eager step writes them: keys and values kv [N, 2, K, H, S, Dh], slot positions p
 document ids doc [K, S] and open_doc [K], the next position next_pos []. Its constants are
 the weights (in the decoder's precision) and the cache's position tables.
 
-Kernels (``options``). The weights are frozen into the package and packed for its kernels.
-A one-row step multiplies float32 and int8 weights by inductor's C++ template (bf16 ones by
-the library's packed product) and traces the attention's products (each row's query against
-its own keys and values) as reductions fused with what surrounds them
-(txlm.inference.reductions); a step of more rows runs the library's packed products. A bf16
-decoder's package reads a bf16 cache (half the bytes of keys and values).
+Kernels (``options``, ``weights_as_reductions``). The weights are frozen into the package.
+A one-row step traces the attention's products (each row's query against its own keys and
+values) as reductions fused with what surrounds them (txlm.inference.reductions); it
+multiplies float32 and int8 weights by inductor's C++ template over packed weights, and
+traces bf16 ones as reductions too, each weight read along contiguous rows. A step of more
+rows runs the library's packed products. A bf16 decoder's package reads a bf16 cache (half
+the bytes of keys and values).
 
 Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
 sha256 over everything the compiled code depends on beyond its step (every weight and
@@ -60,17 +61,27 @@ from txlm.model.cache import KVCache
 STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
 
 
+def weights_as_reductions(precision: str) -> bool:
+    """Whether a one-row package traces the weight products of ``precision`` as reductions
+    fused with the layer around them (txlm.inference.reductions, ``frozen``), rather than as
+    products for ``options``' kernels: bf16's, which those loops read faster than the
+    library's packed bf16 product and than inductor's template, at the decoding issue's shape
+    and at wt103-base's; float32's and int8's measured faster through the template
+    (docs/performance-cpu.md, "The packaged step's settings")."""
+    return precision == "bf16"
+
+
 def options(bucket: int, precision: str) -> dict:
     """AOTInductor's settings for a step of ``bucket`` rows in ``precision``: the weights
     frozen into the package and packed for its kernels. One row multiplies float32 and int8
     weights by inductor's C++ template (vector micro-kernels over blocked weights; int8 on
-    bf16 inputs), which measured faster there than the library's packed product; bf16
-    weights, and more rows, by the library's packed product, which measured faster for bf16
-    and as fast at more rows. Each choice is fixed, not timed as the package is made
-    (docs/performance-cpu.md, "The packaged step's settings"). The template's outputs are
-    not fused with what follows them: torch 2.13 failed to lower a fused view of a bf16
-    template's output ("wrong ndim")."""
-    if bucket > 1 or precision == "bf16":
+    bf16 inputs), which measured faster there than the library's packed product (bf16
+    weights are reductions there: ``weights_as_reductions``); more rows, by the library's
+    packed product, which measured as fast as the template there and compiles for every
+    bucket. Each choice is fixed, not timed as the package is made (docs/performance-cpu.md,
+    "The packaged step's settings"). The template's outputs are not fused with what follows
+    them: torch 2.13 failed to lower a fused view of a bf16 template's output ("wrong ndim")."""
+    if bucket > 1 or weights_as_reductions(precision):
         return {"freezing": True}
     return {
         "freezing": True,

@@ -13,7 +13,16 @@ rows), the products stay the library's.
 ``products_as_reductions(weights=False)`` rewrites the attention's products only (``bmm``,
 ``baddbmm``: each row's query against its own cached keys and values, nothing shared across
 rows) and leaves the weights' (``F.linear``, ``mm``, ``addmm``) to the compiler's kernels
-over packed weights: what the packaged step traces for one row (txlm.inference.packaged).
+over packed weights: what the packaged step traces for one row in float32 and int8
+(txlm.inference.packaged).
+
+``frozen=True`` is for a trace whose weights are constants the compiler folds (a package's):
+a weight held [in, out] (``mm``, ``addmm``) is then read as its transpose made contiguous,
+[out, in], which folding makes once, so each output's sum runs along one contiguous row of
+the weight. Down the columns of [in, out] the loop reads a few bytes from each row in turn;
+from an L3-resident weight that costs little, but streamed from memory (wt103-base's layers)
+it read slower than the library's product (docs/performance-cpu.md, "The packaged step's
+settings"). Unfrozen, that transpose would be a copy a step, so the weight is read as held.
 """
 
 from __future__ import annotations
@@ -29,13 +38,21 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
 
 
+def _by_rows(x: Tensor, weight_t: Tensor) -> Tensor:
+    """``x @ weight_t`` for x [..., in], weight_t [in, out], summed along the rows of its
+    transpose [out, in] made contiguous (a constant a frozen trace folds)."""
+    return (x.unsqueeze(-2) * weight_t.t().contiguous()).sum(-1)
+
+
 class products_as_reductions(TorchFunctionMode):
     """Inside it, ``bmm`` and ``baddbmm`` (in place or not) run as reductions, and with
-    ``weights`` ``F.linear``, ``mm`` and ``addmm`` too."""
+    ``weights`` ``F.linear``, ``mm`` and ``addmm`` too (``frozen``: a weight [in, out] read
+    along the rows of its transpose, see the module docstring)."""
 
-    def __init__(self, weights: bool = True) -> None:
+    def __init__(self, weights: bool = True, frozen: bool = False) -> None:
         super().__init__()
         self.weights = weights
+        self.weight_product = _by_rows if frozen else _matmul
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -46,11 +63,13 @@ class products_as_reductions(TorchFunctionMode):
             bias = rest[0] if rest else kwargs.get("bias")
             out = (x.unsqueeze(-2) * weight).sum(-1)
             return out if bias is None else out + bias
-        if func in (torch.mm, torch.bmm, Tensor.bmm):
-            return _matmul(*args)
+        if func is torch.mm:
+            return self.weight_product(*args)
         if func is torch.addmm:
             bias, a, b = args
-            return bias + _matmul(a, b)
+            return bias + self.weight_product(a, b)
+        if func in (torch.bmm, Tensor.bmm):
+            return _matmul(*args)
         if func in (torch.baddbmm, Tensor.baddbmm, Tensor.baddbmm_):
             bias, a, b = args
             scores = _matmul(a, b) * kwargs.get("alpha", 1)
