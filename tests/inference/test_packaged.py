@@ -26,7 +26,7 @@ STEPS = 60  # the debug preset's memory of 16 wraps several times
 # products summed in float32 by fused reductions (measured 0.0049); int8, the same bf16
 # products summed by another kernel (measured 0.0004)
 TOLERANCE = {"fp32": 1e-5, "bf16": 0.03, "int8": 0.004}
-PACKED = ["_weight_int8pack_mm"]  # (int8's product, beside mm, addmm, linear)
+PRODUCTS = {"mm", "addmm", "linear", "_weight_int8pack_mm"}  # aten's, int8's last
 
 
 def _model(seed: int = 5):
@@ -132,7 +132,8 @@ def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
         sig = program.graph_signature
         names = {**sig.inputs_to_parameters, **sig.inputs_to_buffers}
         for node in program.graph.nodes:
-            if str(node.target).split(".")[1:2] in (["mm"], ["addmm"], ["linear"], PACKED):
+            op = str(node.target).split(".")  # e.g. aten.mm.default
+            if len(op) > 1 and op[1] in PRODUCTS:
                 reads = [names.get(getattr(a, "name", None), "") for a in node.args]
                 layer_products.extend(r for r in reads if ".layers." in r)
         return real(program, **kwargs)

@@ -38,10 +38,15 @@ def _matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
 
 
+def _linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` for x [..., in], weight [out, in]: each output a sum along a row."""
+    return (x.unsqueeze(-2) * weight).sum(-1)
+
+
 def _by_rows(x: Tensor, weight_t: Tensor) -> Tensor:
-    """``x @ weight_t`` for x [..., in], weight_t [in, out], summed along the rows of its
-    transpose [out, in] made contiguous (a constant a frozen trace folds)."""
-    return (x.unsqueeze(-2) * weight_t.t().contiguous()).sum(-1)
+    """``x @ weight_t`` for weight_t [in, out], summed along the rows of its transpose made
+    contiguous (a constant a frozen trace folds)."""
+    return _linear(x, weight_t.t().contiguous())
 
 
 class products_as_reductions(TorchFunctionMode):
@@ -61,7 +66,7 @@ class products_as_reductions(TorchFunctionMode):
         if func is F.linear:
             x, weight, *rest = args
             bias = rest[0] if rest else kwargs.get("bias")
-            out = (x.unsqueeze(-2) * weight).sum(-1)
+            out = _linear(x, weight)
             return out if bias is None else out + bias
         if func is torch.mm:
             return self.weight_product(*args)
