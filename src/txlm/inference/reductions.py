@@ -10,11 +10,16 @@ for one row traces it inside ``products_as_reductions()``, which rewrites them a
 traced. Eagerly, and for several rows (where a library product reuses each weight across
 rows), the products stay the library's.
 
+The attention's position scores (txlm.model.cache.slot_scores: each query against the
+position key of each slot's distance) are one product over every distance, gathered per slot
+afterwards, eagerly; inside the mode the keys are gathered first and each pair is one sum,
+the gather folded into that sum's loads (no product over distances, no gather pass).
+
 ``products_as_reductions(weights=False)`` rewrites the attention's products only (``bmm``,
-``baddbmm``: each row's query against its own cached keys and values, nothing shared across
-rows) and leaves the weights' (``F.linear``, ``mm``, ``addmm``) to the compiler's kernels
-over packed weights: what the packaged step traces for one row in float32 and int8
-(txlm.inference.packaged).
+``baddbmm``, ``slot_scores``: each row's query against its own cached keys and values,
+nothing shared across rows) and leaves the weights' (``F.linear``, ``mm``, ``addmm``) to
+the compiler's kernels over packed weights: what the packaged step traces for one row in
+float32 and int8 (txlm.inference.packaged).
 
 ``frozen=True`` is for a trace whose weights are constants the compiler folds (a package's):
 a weight held [in, out] (``mm``, ``addmm``) is then read as its transpose made contiguous,
@@ -31,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+
+from txlm.model.cache import slot_scores
 
 
 def _matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -50,9 +57,9 @@ def _by_rows(x: Tensor, weight_t: Tensor) -> Tensor:
 
 
 class products_as_reductions(TorchFunctionMode):
-    """Inside it, ``bmm`` and ``baddbmm`` (in place or not) run as reductions, and with
-    ``weights`` ``F.linear``, ``mm`` and ``addmm`` too (``frozen``: a weight [in, out] read
-    along the rows of its transpose, see the module docstring)."""
+    """Inside it, ``bmm``, ``baddbmm`` (in place or not) and ``slot_scores`` run as
+    reductions, and with ``weights`` ``F.linear``, ``mm`` and ``addmm`` too (``frozen``: a
+    weight [in, out] read along the rows of its transpose, see the module docstring)."""
 
     def __init__(self, weights: bool = True, frozen: bool = False) -> None:
         super().__init__()
@@ -73,6 +80,10 @@ class products_as_reductions(TorchFunctionMode):
         if func is torch.addmm:
             bias, a, b = args
             return bias + self.weight_product(a, b)
+        if func is slot_scores:  # the keys gathered by distance, then one sum per pair
+            q, keys, index = args
+            picked = keys.unsqueeze(1) if index is None else keys[:, index]  # [H, L, S, Dh]
+            return (q.unsqueeze(-2) * picked).sum(-1)
         if func in (torch.bmm, Tensor.bmm):
             return _matmul(*args)
         if func in (torch.baddbmm, Tensor.baddbmm, Tensor.baddbmm_):

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from txlm.config import ModelConfig
 from txlm.model.align import Stored
-from txlm.model.cache import CacheStep
+from txlm.model.cache import CacheStep, slot_scores
 from txlm.model.dropout import Dropout, dropout
 
 _NO_EXTRAS: Mapping[str, Tensor] = MappingProxyType({})  # what a forward returns by default
@@ -220,15 +220,11 @@ class RelativeAttention(nn.Module):
             return mask_bias, False
         qp = _as(q if v is None else q + v, rk.dtype)
         if cache is not None:
-            # per head, all rows' queries against its keys: [H, B L, S] (or W, slot order),
-            # scaled already (TransformerXL.position_table); a fresh [B, H, L, S] bias
-            batch, heads, qlen, d_head = qp.shape
-            qp = qp.transpose(0, 1).reshape(heads, batch * qlen, d_head)
-            pairs = torch.bmm(qp, rk.transpose(1, 2))
-            if batch > 1:  # one row's [H, L, ·] is the [B H, L, ·] _scores takes already
-                pairs = pairs.view(heads, batch, qlen, -1).transpose(0, 1)
-            if cache.index is not None:  # per distance -> per slot
-                pairs = pairs.gather(-1, cache.index.expand(*pairs.shape[:-2], -1, -1))
+            # against its position keys, scaled already (TransformerXL.position_table):
+            # [B, H, L, S] (or W), a fresh bias
+            pairs = slot_scores(qp, rk, cache.index)
+            # one row's [H, L, ·] is the [B H, L, ·] _scores takes already
+            pairs = pairs if qp.size(0) > 1 else pairs.flatten(0, 1)
             return (pairs if mask_bias is None else pairs + mask_bias), True
         # from [B, H, L, K+1] (or wider, see _key_padding)
         klen = rk.size(1) - 1 if mask is None else mask.size(-1)

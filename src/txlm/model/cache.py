@@ -41,11 +41,31 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
 
 from txlm.model.lengths import Lengths
 from txlm.model.mask import document_starts
 
 _EMPTY = -(2**40)  # position of a slot never written: outside every memory window
+
+
+def slot_scores(q: Tensor, keys: Tensor, index: Tensor | None) -> Tensor:
+    """Queries q [B, H, L, Dh] against position keys [H, T, Dh], per (query, slot) pair:
+    [B, H, L, S], pair (i, s) scored with the key of its distance ``index[i, s]`` ([L, S]);
+    with no index the keys are the slots' already, in slot order (T = S).
+
+    Per head, every row's queries meet every distance in one product, and the pairs are
+    gathered from that ([B, H, L, T], then S): the keys gathered first would be
+    [H, L, S, Dh], L times the table. The function takes part in torch's
+    ``__torch_function__`` protocol, so a mode can compute it another way: a one-row compiled
+    step gathers the keys first, as the loads of one sum per pair
+    (txlm.inference.reductions)."""
+    if has_torch_function((q, keys)):
+        return handle_torch_function(slot_scores, (q, keys), q, keys, index)
+    batch, heads, qlen, d_head = q.shape
+    rows = q.transpose(0, 1).reshape(heads, batch * qlen, d_head)
+    scores = torch.bmm(rows, keys.transpose(1, 2)).view(heads, batch, qlen, -1).transpose(0, 1)
+    return scores if index is None else scores.gather(-1, index.expand(batch, heads, -1, -1))
 
 
 @dataclass
