@@ -22,6 +22,9 @@ TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the va
     bf16_template  bf16 weights as fp32's are shipped (one row: inductor's C++ template)
     int8        ``--precision int8`` as shipped
     int8_library  int8 as ``library``
+    gathered_after, bf16_gathered_after  ``shipped``, ``bf16`` with a one-row step's position
+                scores traced in the eager order: each query against every distance, then
+                gathered per slot (shipped: the keys gathered per slot, one sum per pair)
 
 and reports each variant's packaging time, its step (best round) and its speed against the
 shipped fp32 step's (median of the per-round ratios, above 1: faster).
@@ -49,9 +52,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_floor import GREEDY, SHAPES, machine, write_result
 from txlm.config import ModelConfig
-from txlm.inference import decode, packaged
+from txlm.inference import decode, packaged, reductions
 from txlm.inference.decode import Decoder
 from txlm.model import TransformerXL
+from txlm.model.cache import slot_scores
 
 RESULTS = Path("runs") / "bench" / "decode_package.json"
 LIBRARY = {"freezing": True}
@@ -83,7 +87,24 @@ VARIANTS = {
     ),
     "int8_library": ({"int8": True}, lambda bucket, precision: LIBRARY, REDUCED),
     "int8": ({"int8": True}, SHIPPED, REDUCED),
+    "gathered_after": ({}, SHIPPED, REDUCED),
+    "bf16_gathered_after": (BF16, SHIPPED, REDUCED),
 }
+
+
+class GatheredAfter(reductions.products_as_reductions):
+    """The shipped rewrite, but the position scores a product over every distance (as a
+    reduction) gathered per slot afterwards, as they run eagerly."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is not slot_scores:
+            return super().__torch_function__(func, types, args, kwargs)
+        q, keys, index = args
+        batch, heads, qlen, d_head = q.shape
+        rows = q.transpose(0, 1).reshape(heads, batch * qlen, d_head)
+        scores = reductions._matmul(rows, keys.transpose(1, 2))
+        scores = scores.view(heads, batch, qlen, -1).transpose(0, 1)
+        return scores.gather(-1, index.expand(batch, heads, -1, -1))
 
 
 def prefilled(
@@ -103,6 +124,8 @@ def prefilled(
         stack.enter_context(mock.patch.object(packaged, "options", options))
         for module in (decode, packaged):  # (where the step's trace and options ask)
             stack.enter_context(mock.patch.object(module, "weights_as_reductions", reduced))
+        if variant.endswith("gathered_after"):
+            stack.enter_context(mock.patch.object(decode, "products_as_reductions", GatheredAfter))
         quiet = stack.enter_context(open(os.devnull, "w"))  # (inductor's timing tables)
         stack.enter_context(contextlib.redirect_stderr(quiet))
         t = time.perf_counter()
