@@ -23,9 +23,9 @@ STEPS = 60  # the debug preset's memory of 16 wraps several times
 # the largest log-probability difference of a one-row package from its eager decoder: fp32,
 # the same products summed in another order by the C++ template (measured 1e-6); bf16, keys
 # and values rounded to bf16 in its cache where the eager one keeps float32, its weight
-# products summed in float32 by fused reductions (measured 0.0049); int8, the same bf16
-# products summed by another kernel (measured 0.0004)
-TOLERANCE = {"fp32": 1e-5, "bf16": 0.03, "int8": 0.004}
+# products summed in float32 by fused reductions (measured 0.0049); int8, its cache in bf16
+# too and the same bf16 products summed by another kernel (measured 0.0031)
+TOLERANCE = {"fp32": 1e-5, "bf16": 0.03, "int8": 0.03}
 PRODUCTS = {"mm", "addmm", "linear", "_weight_int8pack_mm"}  # aten's, int8's last
 
 
@@ -154,7 +154,7 @@ def test_a_one_row_package_follows_the_eager_decoder_of_its_precision(
     packed = Decoder(model, compile="package", **kw)
     eager = Decoder(model, **kw)
     assert eager.cache_dtype == torch.float32
-    assert packed.cache_dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+    assert packed.cache_dtype == (torch.float32 if precision == "fp32" else torch.bfloat16)
     got, want, full = log_probs(packed), log_probs(eager), log_probs(Decoder(model))
     assert made == [packaged.options(1, precision)]
     # float32, int8: inductor's C++ template; bf16: the layers' products traced as

@@ -94,8 +94,10 @@ class Decoder:
     its layers' projections held in bf16 (made once; the model is not copied or changed), and
     its own copy of the output layer in that dtype; its cache and the attention over it are
     bf16 too, except for an eager step on a CPU, where they stay float32 (the library's bf16
-    attention products are slower there). The model runs in eval mode during each call and
-    returns to its mode.
+    attention products are slower there). ``int8``: the layers' and the head's weights in
+    int8 (weight-only), their products on bf16 inputs; a packaged int8 step keeps its cache
+    in bf16 as a bf16 one does. The model runs in eval mode during each call and returns to
+    its mode.
     """
 
     def __init__(
@@ -121,8 +123,10 @@ class Decoder:
                 dtype = torch.get_autocast_dtype(device)
         self.dtype = dtype
         half = dtype in (torch.float16, torch.bfloat16)
-        cpu_half = half and self.device.type == "cpu" and self.weight_dtype == torch.float32
-        self.cache_dtype = dtype  # (a CPU's eager half step: float32, below)
+        cpu = self.device.type == "cpu" and self.weight_dtype == torch.float32
+        # a packaged step on a CPU reads its cache in bf16 for int8 weights too (their
+        # products take bf16 inputs); an eager half or int8 step's stays float32, below
+        self.cache_dtype = torch.bfloat16 if int8 and cpu else dtype
         auto = compile == "auto"  # (decided below, once the decoder's weights are made)
         self.compile = step_compile(False if auto else compile, self.device) if cache else None
         if self.compile == PACKAGE and self.device.type != "cpu":
@@ -162,7 +166,7 @@ class Decoder:
         elif auto and cache and self.device.type == "cpu":
             self.package_key = kept(self._source())
             self.compile = None if self.package_key is None else PACKAGE
-        if cpu_half and self.compile != PACKAGE:
+        if cpu and (half or int8) and self.compile != PACKAGE:
             # the library's half products over a cache measured slower than float32 ones on
             # a CPU; a packaged step's kernels read a half cache faster (half the bytes)
             self.cache_dtype = torch.float32
