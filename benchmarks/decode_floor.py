@@ -10,7 +10,7 @@ rate and the bytes it must read at this process's measured read bandwidth:
                 the decoder's precision: 4, 2 or 1 byte an entry; an adaptive softmax's tail
                 clusters in its float dtype; float32 biases and LayerNorms; bf16 int8
                 scales), every row's cached keys and values (N x 2 x H S Dh in the cache's
-                dtype: float32, or bf16 in a packaged bf16 step) and the position keys
+                dtype: float32, or bf16 in a packaged bf16 or int8 step) and the position keys
                 (N x H S Dh in the cache's dtype, shared by the rows)
 
 An adaptive softmax's tail clusters count by the share of steps that read them: a greedy

@@ -20,7 +20,8 @@ TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the va
     bf16_f32kv  bf16 weights over a float32 cache
     bf16_library  bf16 weights through the library's packed product at one row
     bf16_template  bf16 weights as fp32's are shipped (one row: inductor's C++ template)
-    int8        ``--precision int8`` as shipped
+    int8        ``--precision int8`` as shipped: int8 weights and a bf16 cache
+    int8_f32kv  int8 weights over a float32 cache
     int8_library  int8 as ``library``
     gathered_after, bf16_gathered_after  ``shipped``, ``bf16`` with a one-row step's position
                 scores traced in the eager order: each query against every distance, then
@@ -87,6 +88,7 @@ VARIANTS = {
     ),
     "int8_library": ({"int8": True}, lambda bucket, precision: LIBRARY, REDUCED),
     "int8": ({"int8": True}, SHIPPED, REDUCED),
+    "int8_f32kv": ({"int8": True}, SHIPPED, REDUCED),
     "gathered_after": ({}, SHIPPED, REDUCED),
     "bf16_gathered_after": (BF16, SHIPPED, REDUCED),
 }
@@ -114,7 +116,7 @@ def prefilled(
     it): the decoder, the ids it drew, the seconds that first step took."""
     kw, options, reduced = VARIANTS[variant]
     dec = Decoder(model, compile="package", **kw)
-    if variant == "bf16_f32kv":
+    if variant.endswith("_f32kv"):
         dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
         dec.package_key = packaged.model_key(dec._source())
     g = torch.Generator().manual_seed(0)

@@ -24,8 +24,8 @@ A one-row step traces the attention's products (each row's query against its own
 values) as reductions fused with what surrounds them (txlm.inference.reductions); it
 multiplies float32 and int8 weights by inductor's C++ template over packed weights, and
 traces bf16 ones as reductions too, each weight read along contiguous rows. A step of more
-rows runs the library's packed products. A bf16 decoder's package reads a bf16 cache (half
-the bytes of keys and values).
+rows runs the library's packed products. A bf16 or int8 decoder's package reads a bf16 cache
+(half the bytes of keys and values).
 
 Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
 sha256 over everything the compiled code depends on beyond its step (every weight and
