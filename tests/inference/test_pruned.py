@@ -40,11 +40,11 @@ def _cluster_of(tokens: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(tokens, torch.tensor(CUTOFFS), right=True)
 
 
-def _pruned_draw(softmax, h, config, generator, host_branch=True):
+def _pruned_draw(softmax, h, config, generator, branch="host"):
     """(the tokens, the pruned log-probs) of one draw, its random numbers from ``generator``."""
     noise = draw_noise(config, h.size(0), softmax.vocab_size, generator)
     need = clusters_needed(config, softmax.shortlist, noise)
-    log_probs = softmax.log_prob(h, need, host_branch=host_branch)
+    log_probs = softmax.log_prob(h, need, branch=branch)
     return sample(log_probs, config, noise=noise), log_probs
 
 
@@ -115,14 +115,46 @@ def test_branch_free_draws_are_the_same_and_compile_to_one_graph(rows: int) -> N
     need = clusters_needed(greedy, softmax.shortlist, None)
     torch._dynamo.reset()
     compiled = torch.compile(
-        lambda h: sample(softmax.log_prob(h, need, host_branch=False), greedy),
+        lambda h: sample(softmax.log_prob(h, need, branch="none"), greedy),
         fullgraph=True, backend="aot_eager",
     )  # fmt: skip
     with torch.no_grad():
         for h in hidden.split(rows):
             want, _ = _pruned_draw(softmax, h, config, g1)
-            assert torch.equal(_pruned_draw(softmax, h, config, g2, host_branch=False)[0], want)
+            assert torch.equal(_pruned_draw(softmax, h, config, g2, branch="none")[0], want)
             assert torch.equal(compiled(h), sample(softmax.log_prob(h), greedy))
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_a_branch_in_the_graph_skips_what_the_host_branch_skips(rows: int, fresh_dynamo) -> None:
+    """A branch in the traced graph (``torch.cond``, what a compiled step on a CPU takes): one
+    graph with one conditional per tail cluster, the host branch's log-probabilities
+    (skipped clusters spread, the others computed) and tokens."""
+    softmax, dim = _softmax()
+    hidden = torch.randn(60, dim, generator=torch.Generator().manual_seed(3)) * 1.5
+    greedy = SamplingConfig(greedy=True)
+    need = clusters_needed(greedy, softmax.shortlist, None)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    compiled = torch.compile(
+        lambda h: softmax.log_prob(h, need, branch="graph"), fullgraph=True, backend=keep
+    )
+    skipped = 0
+    with torch.no_grad():
+        for h in hidden.split(rows):
+            want = softmax.log_prob(h, need, branch="host")
+            got = compiled(h)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+            assert _computed(got) == _computed(want)
+            skipped += _computed(want).count(False)
+            assert torch.equal(sample(got, greedy), sample(softmax.log_prob(h), greedy))
+    assert len(graphs) == 1 and skipped > 0
+    conds = [n for n in graphs[0].graph.nodes if n.target is torch.ops.higher_order.cond]
+    assert len(conds) == softmax.n_clusters
 
 
 def test_settings_it_cannot_prune_draw_from_the_full_distribution() -> None:

@@ -2,8 +2,9 @@
 
 A decoding step of ``Decoder(compile=...)`` given a sampling setting holds the draw: the
 step and the sampling in one graph (``torch.compile(fullgraph=True, dynamic=False)``: a graph
-break is an error), through the pruned adaptive softmax (branch-free: each tail cluster
-chosen on the device, no host read, so a CUDA graph can capture it). The
+break is an error), through the pruned adaptive softmax (on a CPU a branch in the graph per
+tail cluster, ``torch.cond``; as a GPU decoder has it, branch-free: each tail cluster chosen
+on the device, no host read, so a CUDA graph can capture it). The
 random numbers come in as an input, drawn from the caller's generator just before the step,
 so the compiled step must draw the tokens of the eager pruned step and of the reference
 decoder's full-softmax draw with the same generator: greedy, top-k, top-k with top-p, top-p
@@ -126,6 +127,7 @@ def test_the_compiled_token_step_reads_nothing_back(rows: int) -> None:
     model = _model()
     sampling = CONFIGS["top_k"]
     decoder = Decoder(model, compile=StepCompile())  # (a Python wrapper: its code is read)
+    decoder.traced_branch = "none"  # a GPU decoder's (a CPU's branches in its compiled code)
     g = torch.Generator().manual_seed(3)
     ids = decoder.prefill(PROMPTS[:rows], sampling=sampling, generator=g)
     step = decoder._stepper(sampling)

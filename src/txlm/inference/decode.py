@@ -171,6 +171,9 @@ class Decoder:
             # a CPU; a packaged step's kernels read a half cache faster (half the bytes)
             self.cache_dtype = torch.float32
         self.static = self.compile is not None or self.cuda_graph
+        # how a compiled step skips a tail cluster no row needs (AdaptiveLogSoftmax.log_prob):
+        # a CPU takes a branch in its compiled code; a GPU's step reads nothing back
+        self.traced_branch = "graph" if self.device.type == "cpu" else "none"
         self.cache: KVCache | None = None  # made per prefill
         self.mems: list[Tensor] | None = None  # the hidden-state memory (cache=False)
         self.mem_mask: Tensor | None = None
@@ -305,10 +308,12 @@ class Decoder:
         (``sampling`` None), or the next token per row [B] drawn with ``noise``.
 
         Where a draw skips the tail clusters that cannot hold it (txlm.inference.sampling.
-        clusters_needed): in a compiled step, branch-free (each cluster chosen on the
-        device: one graph, capturable, a skipped cluster's product for one row fused into a
-        read of one row of its weight), and eagerly on a CPU (a host branch per cluster,
-        free there); not in an eager step on a GPU (the branch would wait for the device)
+        clusters_needed): in a compiled step, by ``traced_branch`` (a CPU: a branch in the
+        graph, ``torch.cond``, so a skipped cluster's product is not run; a GPU:
+        branch-free, each cluster chosen on the device, one graph a CUDA graph captures, a
+        skipped cluster's product for one row fused into a read of one row of its weight),
+        and eagerly on a CPU (a host branch per cluster, free there); not in an eager step
+        on a GPU (the branch would wait for the device)
         or one replayed from a CUDA graph (eagerly, the branch-free form would copy the
         weight it means not to read), nor without a cache (the reference draws from the
         full distribution)."""
@@ -319,9 +324,8 @@ class Decoder:
         need = None
         if self.cached and (traced or self.device.type == "cpu"):
             need = clusters_needed(sampling, self.softmax.shortlist, noise)
-        scores = self.softmax.log_prob(
-            hidden, need, head=self.head, host_branch=not traced, normalise=False
-        )
+        branch = self.traced_branch if traced else "host"
+        scores = self.softmax.log_prob(hidden, need, head=self.head, branch=branch, normalise=False)
         return sample(scores, sampling, noise=noise)
 
     def _noise(self, sampling: SamplingConfig | None, generator, batch: int) -> Tensor | None:

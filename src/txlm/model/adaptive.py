@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,17 @@ def upcast(x: Tensor) -> Tensor:
     """Half-precision logits or scores are normalised and compared in float32; float32 and
     float64 stay as they are."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _tail(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor) -> Tensor:
+    """A tail cluster's log-probabilities [N, n]: log p(cluster) + log p(token | cluster)."""
+    return cluster + F.log_softmax(upcast(F.linear(x, weight, bias)), dim=-1)
+
+
+def _spread(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor) -> Tensor:
+    """A skipped cluster's [N, n]: its mass spread evenly (a copy: a branch of ``torch.cond``
+    returns no view of its inputs)."""
+    return spread.expand(-1, weight.size(0)).clone()
 
 
 def _cluster_bounds(vocab_size: int, cutoffs: list[int]) -> list[tuple[int, int]]:
@@ -180,7 +192,7 @@ class AdaptiveLogSoftmax(nn.Module):
         need: Callable[[Tensor], Tensor] | None = None,
         *,
         head: Callable[[Tensor], Tensor] | None = None,
-        host_branch: bool = True,
+        branch: Literal["host", "graph", "none"] = "host",
         normalise: bool = True,
     ) -> Tensor:
         """hidden [N, P] -> log-probabilities [N, V] (float32 at least).
@@ -191,15 +203,18 @@ class AdaptiveLogSoftmax(nn.Module):
         spread evenly, head_c - log n_c. That is at most head_c, below every candidate a
         top-k cut or greedy keeps when ``need`` rules the cluster out, and it keeps the
         cluster's share of the cumulative distribution, so an inverse CDF falls where it
-        would (inside a skipped cluster only within rounding of its edge). ``host_branch``:
-        skip with a Python branch (eagerly, where reading the flag is free: a CPU);
-        otherwise nothing is read on the host: each cluster is computed and its values or
-        the spread ones chosen by ``torch.where``, and for one row a cluster no row needs
-        has each of its outputs read the weight's first row (a reduction with an indexed
-        load, fused by a compiler: a row's bytes, not the weight's), so one graph,
-        capturable. ``head``: the head's product (a module: its weight [shortlist + C, E] and
-        bias, the shortlist rows then the cluster rows, joined once by a decoder: one product,
-        not two; in its dtype or quantised) on the projected hidden states.
+        would (inside a skipped cluster only within rounding of its edge). ``branch``: how
+        a cluster no row needs is skipped. "host": a Python branch (eagerly, where reading
+        the flag is free: a CPU). "graph": a branch in the traced graph (``torch.cond``),
+        which a compiled step on a CPU takes in its own code, skipping the cluster's
+        product. "none": nothing is read on the host (a GPU's step, one graph a CUDA graph
+        captures): each cluster is computed and its values or the spread ones chosen by
+        ``torch.where``, and for one row a cluster no row needs has each of its outputs read
+        the weight's first row (a reduction with an indexed load, fused by a compiler: a
+        row's bytes, not the weight's; its arithmetic is still the cluster's).
+        ``head``: the head's product (a module: its weight [shortlist + C, E] and bias, the
+        shortlist rows then the cluster rows, joined once by a decoder: one product, not
+        two; in its dtype or quantised) on the projected hidden states.
         ``normalise=False``: what a draw needs, log-probabilities up to a constant per row (a
         draw renormalises): a full softmax's logits as they are.
         """
@@ -219,21 +234,26 @@ class AdaptiveLogSoftmax(nn.Module):
         for i in range(1, self.n_clusters + 1):
             lo, hi = self.bounds[i]
             cluster = head_lp[:, self.shortlist + i - 1, None]  # log p(cluster i) [N, 1]
+            spread = cluster - math.log(hi - lo)
             needed = None if needs is None else needs[:, i - 1].any()
-            if needed is not None and host_branch and not bool(needed):
-                out[:, lo:hi] = cluster - math.log(hi - lo)
+            if needed is not None and branch == "host" and not bool(needed):
+                out[:, lo:hi] = spread
                 continue
             weight, bias, proj = self._weights(i)
             x = hidden if proj is None else hidden @ proj
-            if needed is not None and not host_branch and x.size(0) == 1:
-                rows = torch.where(needed, torch.arange(hi - lo, device=x.device), 0)
-                logits = (x[:, None, :] * weight[rows]).sum(-1) + bias[rows]
-            else:
-                logits = F.linear(x, weight, bias)
-            tail = cluster + F.log_softmax(upcast(logits), dim=-1)
-            if needed is not None and not host_branch:
-                tail = torch.where(needed, tail, cluster - math.log(hi - lo))
-            out[:, lo:hi] = tail
+            if needed is not None and branch == "graph":
+                args = (x, weight, bias, cluster, spread)
+                out[:, lo:hi] = torch.cond(needed, _tail, _spread, args)
+            elif needed is not None and branch == "none":
+                if x.size(0) == 1:
+                    rows = torch.where(needed, torch.arange(hi - lo, device=x.device), 0)
+                    logits = (x[:, None, :] * weight[rows]).sum(-1) + bias[rows]
+                else:
+                    logits = F.linear(x, weight, bias)
+                tail = cluster + F.log_softmax(upcast(logits), dim=-1)
+                out[:, lo:hi] = torch.where(needed, tail, spread)
+            else:  # every cluster (no rule), or one a row needs (a host branch)
+                out[:, lo:hi] = _tail(x, weight, bias, cluster, spread)
         return out
 
     def nll(
