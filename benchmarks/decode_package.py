@@ -26,6 +26,10 @@ TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the va
     gathered_after, bf16_gathered_after  ``shipped``, ``bf16`` with a one-row step's position
                 scores traced in the eager order: each query against every distance, then
                 gathered per slot (shipped: the keys gathered per slot, one sum per pair)
+    branch_free, bf16_branch_free  ``shipped``, ``bf16`` with an adaptive softmax's tail
+                clusters chosen as a GPU's step chooses them: each computed, then its values
+                or the skipped ones taken by ``torch.where`` (shipped: a ``torch.cond`` per
+                cluster, a skipped one's product not run); the same step without clusters
 
 and reports each variant's packaging time, its step (best round) and its speed against the
 shipped fp32 step's (median of the per-round ratios, above 1: faster).
@@ -91,6 +95,8 @@ VARIANTS = {
     "int8_f32kv": ({"int8": True}, SHIPPED, REDUCED),
     "gathered_after": ({}, SHIPPED, REDUCED),
     "bf16_gathered_after": (BF16, SHIPPED, REDUCED),
+    "branch_free": ({}, SHIPPED, REDUCED),
+    "bf16_branch_free": (BF16, SHIPPED, REDUCED),
 }
 
 
@@ -119,6 +125,8 @@ def prefilled(
     if variant.endswith("_f32kv"):
         dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
         dec.package_key = packaged.model_key(dec._source())
+    if variant.endswith("branch_free"):
+        dec.traced_branch = "none"
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, model.config.mem_len), generator=g)
     ids = dec.prefill(prompts.tolist(), sampling=GREEDY)

@@ -43,9 +43,9 @@ def _key(decoder: Decoder) -> str:
     return packaged.model_key(decoder._source())
 
 
-def _draws(decoder: Decoder) -> torch.Tensor:
+def _draws(decoder: Decoder, rows: int = 3) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    ids = decoder.prefill(PROMPTS, sampling=SAMPLING, generator=g)
+    ids = decoder.prefill(PROMPTS[:rows], sampling=SAMPLING, generator=g)
     out = [ids]
     for _ in range(STEPS):
         ids = decoder.step(ids, SAMPLING, g)
@@ -109,6 +109,19 @@ def test_a_packaged_step_off_a_cpu_is_refused(monkeypatch):
     monkeypatch.setattr(torch, "is_autocast_enabled", lambda device: False)  # (no meta autocast)
     with pytest.raises(ConfigError, match="runs on a CPU"):
         Decoder(model.to("meta"), compile="package")
+
+
+@pytest.mark.slow
+def test_a_one_row_package_draws_the_eager_tokens(tmp_path, monkeypatch):
+    """One row, its float32 products through inductor's C++ template: a draw's tail clusters
+    are branches in the package's code (``torch.cond``), whose products the template cannot
+    take (a branch's weights are its inputs, not constants); the eager decoder's tokens, tail
+    clusters drawn from and skipped."""
+    monkeypatch.setenv("TXLM_HOME", str(tmp_path))
+    model = _model()
+    want = _draws(Decoder(model), rows=1)
+    assert {_cluster(t) for t in want.flatten().tolist()} == {0, 1, 2, 3}
+    assert torch.equal(_draws(Decoder(model, compile="package"), rows=1), want)
 
 
 @pytest.mark.slow

@@ -40,6 +40,19 @@ def _tail(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tens
     return cluster + F.log_softmax(upcast(F.linear(x, weight, bias)), dim=-1)
 
 
+def _tail_branch(
+    x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor
+) -> Tensor:
+    """``_tail`` as a branch of a traced graph (``torch.cond``). For one row its product is a
+    sum along each row of the weight, a loop the compiler generates (one read of the
+    weight): inside a branch the weight is one of the branch's inputs, not a constant, and a
+    packaged step's C++ product template takes constant weights only."""
+    if x.size(0) > 1:
+        return _tail(x, weight, bias, cluster, spread)
+    logits = (x[:, None, :] * weight).sum(-1) + bias
+    return cluster + F.log_softmax(upcast(logits), dim=-1)
+
+
 def _spread(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor) -> Tensor:
     """A skipped cluster's [N, n]: its mass spread evenly (a copy: a branch of ``torch.cond``
     returns no view of its inputs)."""
@@ -243,7 +256,7 @@ class AdaptiveLogSoftmax(nn.Module):
             x = hidden if proj is None else hidden @ proj
             if needed is not None and branch == "graph":
                 args = (x, weight, bias, cluster, spread)
-                out[:, lo:hi] = torch.cond(needed, _tail, _spread, args)
+                out[:, lo:hi] = torch.cond(needed, _tail_branch, _spread, args)
             elif needed is not None and branch == "none":
                 if x.size(0) == 1:
                     rows = torch.where(needed, torch.arange(hi - lo, device=x.device), 0)
