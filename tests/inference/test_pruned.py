@@ -148,7 +148,8 @@ def test_a_branch_in_the_graph_skips_what_the_host_branch_skips(rows: int, fresh
         for h in hidden.split(rows):
             want = softmax.log_prob(h, need, branch="host")
             got = compiled(h)
-            torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+            # (one row's branch sums its products in another order than the library's)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
             assert _computed(got) == _computed(want)
             skipped += _computed(want).count(False)
             assert torch.equal(sample(got, greedy), sample(softmax.log_prob(h), greedy))
