@@ -36,9 +36,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_floor import machine, write_result
+from decode_package import with_float32_cache
 from txlm.checkpoints.checkpoint import load
 from txlm.data.prepared import default_data_dir, load_prepared
-from txlm.inference import packaged
 from txlm.inference.decode import Decoder
 
 RESULTS = Path("runs") / "bench" / "decode_accuracy.json"
@@ -56,8 +56,7 @@ def log_probs(model, path: str, ids: list[int]) -> torch.Tensor:
     """[N - 1, V]: row i the path's log-probabilities of the token after ids[i]."""
     dec = Decoder(model, **PATHS[path])
     if path.endswith("_f32kv"):
-        dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
-        dec.package_key = packaged.model_key(dec._source())
+        with_float32_cache(dec)
     rows = [dec.prefill([ids[:1]])[0]]
     rows += [dec.step(torch.tensor([t]))[0] for t in ids[1:-1]]
     return torch.stack(rows).float()

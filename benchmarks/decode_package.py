@@ -100,6 +100,13 @@ VARIANTS = {
 }
 
 
+def with_float32_cache(dec: Decoder) -> None:
+    """A packaged decoder over a float32 cache whatever its precision's (its own package:
+    the cache dtype is in the package's key)."""
+    dec.cache_dtype = torch.float32
+    dec.package_key = packaged.model_key(dec._source())
+
+
 class GatheredAfter(reductions.products_as_reductions):
     """The shipped rewrite, but the position scores a product over every distance (as a
     reduction) gathered per slot afterwards, as they run eagerly."""
@@ -123,8 +130,7 @@ def prefilled(
     kw, options, reduced = VARIANTS[variant]
     dec = Decoder(model, compile="package", **kw)
     if variant.endswith("_f32kv"):
-        dec.cache_dtype = torch.float32  # (its own package: the cache dtype is in its key)
-        dec.package_key = packaged.model_key(dec._source())
+        with_float32_cache(dec)
     if variant.endswith("branch_free"):
         dec.traced_branch = "none"
     g = torch.Generator().manual_seed(0)

@@ -123,10 +123,10 @@ class Decoder:
                 dtype = torch.get_autocast_dtype(device)
         self.dtype = dtype
         half = dtype in (torch.float16, torch.bfloat16)
-        cpu = self.device.type == "cpu" and self.weight_dtype == torch.float32
+        cpu_f32 = self.device.type == "cpu" and self.weight_dtype == torch.float32
         # a packaged step on a CPU reads its cache in bf16 for int8 weights too (their
         # products take bf16 inputs); an eager half or int8 step's stays float32, below
-        self.cache_dtype = torch.bfloat16 if int8 and cpu else dtype
+        self.cache_dtype = torch.bfloat16 if int8 and cpu_f32 else dtype
         auto = compile == "auto"  # (decided below, once the decoder's weights are made)
         self.compile = step_compile(False if auto else compile, self.device) if cache else None
         if self.compile == PACKAGE and self.device.type != "cpu":
@@ -166,7 +166,7 @@ class Decoder:
         elif auto and cache and self.device.type == "cpu":
             self.package_key = kept(self._source())
             self.compile = None if self.package_key is None else PACKAGE
-        if cpu and (half or int8) and self.compile != PACKAGE:
+        if cpu_f32 and (half or int8) and self.compile != PACKAGE:
             # the library's half products over a cache measured slower than float32 ones on
             # a CPU; a packaged step's kernels read a half cache faster (half the bytes)
             self.cache_dtype = torch.float32

@@ -40,13 +40,14 @@ def _tail(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tens
     return cluster + F.log_softmax(upcast(F.linear(x, weight, bias)), dim=-1)
 
 
-def _tail_branch(
+def _tail_traced(
     x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor
 ) -> Tensor:
-    """``_tail`` as a branch of a traced graph (``torch.cond``). For one row its product is a
-    sum along each row of the weight, a loop the compiler generates (one read of the
-    weight): inside a branch the weight is one of the branch's inputs, not a constant, and a
-    packaged step's C++ product template takes constant weights only."""
+    """``_tail`` in a traced graph. For one row its product is a sum along each row of the
+    weight, a loop the compiler generates and fuses with how the rows are read (one read of
+    the weight, or of the rows an index picks): inside a branch of ``torch.cond`` the weight
+    is one of the branch's inputs, not a constant, and a packaged step's C++ product
+    template takes constant weights only."""
     if x.size(0) > 1:
         return _tail(x, weight, bias, cluster, spread)
     logits = (x[:, None, :] * weight).sum(-1) + bias
@@ -256,14 +257,12 @@ class AdaptiveLogSoftmax(nn.Module):
             x = hidden if proj is None else hidden @ proj
             if needed is not None and branch == "graph":
                 args = (x, weight, bias, cluster, spread)
-                out[:, lo:hi] = torch.cond(needed, _tail_branch, _spread, args)
+                out[:, lo:hi] = torch.cond(needed, _tail_traced, _spread, args)
             elif needed is not None and branch == "none":
-                if x.size(0) == 1:
+                if x.size(0) == 1:  # a skipped cluster's outputs each read its first row
                     rows = torch.where(needed, torch.arange(hi - lo, device=x.device), 0)
-                    logits = (x[:, None, :] * weight[rows]).sum(-1) + bias[rows]
-                else:
-                    logits = F.linear(x, weight, bias)
-                tail = cluster + F.log_softmax(upcast(logits), dim=-1)
+                    weight, bias = weight[rows], bias[rows]
+                tail = _tail_traced(x, weight, bias, cluster, spread)
                 out[:, lo:hi] = torch.where(needed, tail, spread)
             else:  # every cluster (no rule), or one a row needs (a host branch)
                 out[:, lo:hi] = _tail(x, weight, bias, cluster, spread)
