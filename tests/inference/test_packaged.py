@@ -3,9 +3,13 @@ exported, compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages, ope
 torch's C++ loader. It draws the eager step's tokens (sampling with the draw's random
 numbers as an input, through the pruned adaptive softmax, three rows in the bucket of four);
 a new decoder of the same model opens the kept package without compiling, and "auto" runs
-it; a model of other weights has no package, and "auto" is then the eager step."""
+it; an open package leaves no extracted copy in TMPDIR; a model of other weights has no
+package, and "auto" is then the eager step."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -58,6 +62,10 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
+    # torch's loader extracts a package under TMPDIR (Python's own temporary folder held)
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     model = _model()
     want = _draws(Decoder(model))
     # every cluster drawn from: none pruned throughout
@@ -66,6 +74,10 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     assert torch.equal(_draws(first), want)
     kept = list((tmp_path / "packages").glob("*/*.pt2"))
     assert len(kept) == 1  # one step setting, one bucket
+    # the package open, its library mapped from the extracted folder, that folder removed
+    # already: a process killed now leaves no copy behind
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled again")

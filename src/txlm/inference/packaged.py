@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
@@ -190,14 +191,45 @@ def packaged(source: Source, key: str, sampling: SamplingConfig | None) -> Calla
             if loader is None:
                 if not path.is_file():
                     _package(source, sampling, ids, noise, state, path)
-                loader = _OPEN[path] = torch._C._aoti.AOTIModelPackageLoader(
-                    str(path), "model", False, 1, -1
-                )
+                loader = _OPEN[path] = _open(path)
             loaders[ids.size(0), cache.per_row] = loader
         (out,) = loader.run([ids, *([] if noise is None else [noise]), *state])
         return out
 
     return run
+
+
+def _open(path: Path) -> torch._C._aoti.AOTIModelPackageLoader:
+    """The loader of the package at ``path``, its extracted files already removed.
+
+    torch's loader extracts a package (its library, the weights frozen inside it) into a
+    folder under TMPDIR, which it removes only when it is freed: a process killed with a
+    package open leaves that copy behind (gigabytes at wt103-base), and while it runs the
+    copy takes disk, or memory where /tmp is a tmpfs. Once the loader has mapped the library
+    nothing reads those files again, and on Linux a mapping outlives its file, so the folder
+    is removed at once: the folders whose library this process mapped in this call."""
+    before = _mapped_extractions()
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    for folder in _mapped_extractions() - before:
+        shutil.rmtree(folder, ignore_errors=True)
+    return loader
+
+
+def _mapped_extractions() -> set[Path]:
+    """The loader's extraction folders (``<TMPDIR>/aotinductor_*``) whose files this process
+    has mapped, read from /proc/self/maps (none where there is no /proc)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    found = set()
+    for line in maps.splitlines():
+        file = Path(line.split(maxsplit=5)[-1])
+        for parent in file.parents:  # (the nearest: the folder the loader made)
+            if parent.name.startswith("aotinductor_"):
+                found.add(parent)
+                break
+    return found
 
 
 def _package(
