@@ -204,10 +204,10 @@ def _open(path: Path) -> torch._C._aoti.AOTIModelPackageLoader:
 
     torch's loader extracts a package (its library, the weights frozen inside it) into a
     folder under TMPDIR, which it removes only when it is freed: a process killed with a
-    package open leaves that copy behind (gigabytes at wt103-base), and while it runs the
-    copy takes disk, or memory where /tmp is a tmpfs. Once the loader has mapped the library
-    nothing reads those files again, and on Linux a mapping outlives its file, so the folder
-    is removed at once: the folders whose library this process mapped in this call."""
+    package open leaves that copy behind (gigabytes at wt103-base). Once the loader has
+    mapped the library nothing reads those files again, and on Linux a mapping outlives its
+    file, so the folder is removed at once: the folders whose library this process mapped
+    in this call."""
     before = _mapped_extractions()
     loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
     for folder in _mapped_extractions() - before:
