@@ -62,10 +62,6 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     tmp_path, monkeypatch
 ):
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
-    # torch's loader extracts a package under TMPDIR (Python's own temporary folder held)
-    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
-    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
     model = _model()
     want = _draws(Decoder(model))
     # every cluster drawn from: none pruned throughout
@@ -74,18 +70,24 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     assert torch.equal(_draws(first), want)
     kept = list((tmp_path / "packages").glob("*/*.pt2"))
     assert len(kept) == 1  # one step setting, one bucket
-    # the package open, its library mapped from the extracted folder, that folder removed
-    # already: a process killed now leaves no copy behind
-    assert list((tmp_path / "tmp").iterdir()) == []
-    assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled again")
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    # opened again as by a new process, torch's loader extracting it under a TMPDIR of the
+    # test's own (Python's temporary folder held as it is)
+    monkeypatch.setattr(packaged, "_OPEN", {})
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.gettempdir())
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
     again = Decoder(model, compile="auto")  # a kept package: auto runs it
     assert again.compile == PACKAGE and again.static
     assert torch.equal(_draws(again), want)
+    # the package open, its library mapped from the extracted folder, that folder removed
+    # already: a process killed now leaves no copy behind
+    assert list((tmp_path / "tmp").iterdir()) == []
+    assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
     # another model's weights: no package of its own, so auto is the eager step
     other = Decoder(_model(seed=6), compile="auto")
     assert other.compile is None and not other.static
