@@ -3,16 +3,18 @@ exported, compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages, ope
 torch's C++ loader. It draws the eager step's tokens (sampling with the draw's random
 numbers as an input, through the pruned adaptive softmax, three rows in the bucket of four);
 a new decoder of the same model opens the kept package without compiling, and "auto" runs
-it; an open package leaves no extracted copy in TMPDIR; a model of other weights has no
-package, and "auto" is then the eager step."""
+it; neither the package's making nor its opening leaves a copy of it behind; a model of
+other weights has no package, and "auto" is then the eager step."""
 
 from __future__ import annotations
 
 import tempfile
+import zipfile
 from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from tests.helpers.models import debug_model
 from txlm.errors import ConfigError
@@ -70,6 +72,10 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     assert torch.equal(_draws(first), want)
     kept = list((tmp_path / "packages").glob("*/*.pt2"))
     assert len(kept) == 1  # one step setting, one bucket
+    # inductor's own copy of the library (where it was built, the weights inside) removed
+    with zipfile.ZipFile(kept[0]) as archive:
+        (library,) = [Path(n).name for n in archive.namelist() if n.endswith(".wrapper.so")]
+    assert list(Path(cache_dir()).glob(f"*/{library}")) == []
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled again")

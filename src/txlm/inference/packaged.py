@@ -49,6 +49,7 @@ import os
 import shutil
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,3 +264,17 @@ def _package(
     finally:
         if os.path.exists(scratch):
             os.unlink(scratch)
+    _drop_build(path)
+
+
+def _drop_build(package: Path) -> None:
+    """Remove the folder in inductor's cache where the library of ``package`` was built: a
+    copy of it, the weights frozen inside, which nothing reads once the package holds it
+    (a package made again is compiled again) and which doubled the disk a package takes."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # (the compiler's: here only)
+
+    with zipfile.ZipFile(package) as archive:
+        names = [Path(n).name for n in archive.namelist() if n.endswith(".wrapper.so")]
+    for name in names:
+        for built in Path(cache_dir()).glob(f"*/{name}"):
+            shutil.rmtree(built.parent, ignore_errors=True)
