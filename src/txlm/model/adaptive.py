@@ -35,7 +35,7 @@ def upcast(x: Tensor) -> Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
-def _tail(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor, spread: Tensor) -> Tensor:
+def _tail(x: Tensor, weight: Tensor, bias: Tensor, cluster: Tensor) -> Tensor:
     """A tail cluster's log-probabilities [N, n]: log p(cluster) + log p(token | cluster)."""
     return cluster + F.log_softmax(upcast(F.linear(x, weight, bias)), dim=-1)
 
@@ -47,9 +47,10 @@ def _tail_traced(
     weight, a loop the compiler generates and fuses with how the rows are read (one read of
     the weight, or of the rows an index picks): inside a branch of ``torch.cond`` the weight
     is one of the branch's inputs, not a constant, and a packaged step's C++ product
-    template takes constant weights only."""
+    template takes constant weights only. (``spread`` unused: the two branches of a
+    ``torch.cond`` take the same operands.)"""
     if x.size(0) > 1:
-        return _tail(x, weight, bias, cluster, spread)
+        return _tail(x, weight, bias, cluster)
     logits = (x[:, None, :] * weight).sum(-1) + bias
     return cluster + F.log_softmax(upcast(logits), dim=-1)
 
@@ -265,7 +266,7 @@ class AdaptiveLogSoftmax(nn.Module):
                 tail = _tail_traced(x, weight, bias, cluster, spread)
                 out[:, lo:hi] = torch.where(needed, tail, spread)
             else:  # every cluster (no rule), or one a row needs (a host branch)
-                out[:, lo:hi] = _tail(x, weight, bias, cluster, spread)
+                out[:, lo:hi] = _tail(x, weight, bias, cluster)
         return out
 
     def nll(
