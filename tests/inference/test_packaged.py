@@ -3,8 +3,9 @@ exported, compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages, ope
 torch's C++ loader. It draws the eager step's tokens (sampling with the draw's random
 numbers as an input, through the pruned adaptive softmax, three rows in the bucket of four);
 a new decoder of the same model opens the kept package without compiling, and "auto" runs
-it; neither the package's making nor its opening leaves a copy of it behind; a model of
-other weights has no package, and "auto" is then the eager step."""
+it, as does one that waited on the lock while another process made it; neither the
+package's making nor its opening leaves a copy of it behind; a model of other weights has no
+package, and "auto" is then the eager step."""
 
 from __future__ import annotations
 
@@ -94,6 +95,20 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     # already: a process killed now leaves no copy behind
     assert list((tmp_path / "tmp").iterdir()) == []
     assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
+    # a process that found no package and waited on the lock while another made it opens
+    # that one (the compiler refused above): the package is put back as the lock is taken
+    monkeypatch.setattr(packaged, "_OPEN", {})
+    aside = kept[0].with_suffix(".aside")
+    kept[0].rename(aside)
+    lock = packaged._making
+
+    def made_meanwhile(package):
+        aside.rename(package)
+        return lock(package)
+
+    monkeypatch.setattr(packaged, "_making", made_meanwhile)
+    assert torch.equal(_draws(Decoder(model, compile="package")), want)
+    assert kept[0].is_file()
     # another model's weights: no package of its own, so auto is the eager step
     other = Decoder(_model(seed=6), compile="auto")
     assert other.compile is None and not other.static

@@ -32,7 +32,11 @@ sha256 over everything the compiled code depends on beyond its step (every weigh
 buffer of the decoder's layers and head, the lengths, the precision and cache dtype, torch's
 version, the CPU's vector ISA, txlm's own source), ``step`` one over the step's setting (the
 sampling setting, the bucket, whether the mask is per row). A package is written atomically
-(a temporary file renamed into place), so a reader never sees half of one.
+(a temporary file renamed into place), so a reader never sees half of one, and made under
+a lock file beside it (``filelock``): of processes wanting the same package at once (two
+servers started together on one checkpoint), one compiles it and the others wait for it and
+open it, rather than each compiling it, in inductor's one build folder that the first to
+finish removes (``_drop_build``).
 
 When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU where this
 decoder's model has packages kept (a run with ``--compile package`` made them), else the
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 from torch import Tensor, nn
 
 from txlm.inference.sampling import SamplingConfig
@@ -191,13 +196,22 @@ def packaged(source: Source, key: str, sampling: SamplingConfig | None) -> Calla
             loader = _OPEN.get(path)
             if loader is None:
                 if not path.is_file():
-                    _package(source, sampling, ids, noise, state, path)
+                    with _making(path):
+                        if not path.is_file():  # (else made while this process waited)
+                            _package(source, sampling, ids, noise, state, path)
                 loader = _OPEN[path] = _open(path)
             loaders[ids.size(0), cache.per_row] = loader
         (out,) = loader.run([ids, *([] if noise is None else [noise]), *state])
         return out
 
     return run
+
+
+def _making(package: Path) -> FileLock:
+    """The lock held while ``package`` is made, across processes (an advisory lock on a
+    file beside it, released by the system if its holder dies)."""
+    package.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(package.with_suffix(".lock"))
 
 
 def _open(path: Path) -> torch._C._aoti.AOTIModelPackageLoader:
@@ -242,7 +256,6 @@ def _package(
     path: Path,
 ) -> None:
     """Export the step over copies of the cache's tensors and package it at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     with torch.inference_mode(False), torch.no_grad():
         copies = [t.clone() for t in state]  # (ordinary tensors: export writes into them)
         args = (ids.clone(), None if noise is None else noise.clone(), *copies)
