@@ -3,9 +3,10 @@ exported, compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages, ope
 torch's C++ loader. It draws the eager step's tokens (sampling with the draw's random
 numbers as an input, through the pruned adaptive softmax, three rows in the bucket of four);
 a new decoder of the same model opens the kept package without compiling, and "auto" runs
-it, as does one that waited on the lock while another process made it; neither the
-package's making nor its opening leaves a copy of it behind; a model of other weights has no
-package, and "auto" is then the eager step."""
+it (and the eager step for a bucket with none kept, making none), as does one that waited on
+the lock while another process made it; neither the package's making nor its opening leaves
+a copy of it behind; a model of other weights has no package, and "auto" is then the eager
+step."""
 
 from __future__ import annotations
 
@@ -95,6 +96,12 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     # already: a process killed now leaves no copy behind
     assert list((tmp_path / "tmp").iterdir()) == []
     assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
+    # a bucket with no package kept (one row): auto runs the eager step there, never
+    # making a package (the compiler refused above)
+    assert torch.equal(
+        _draws(Decoder(model, compile="auto"), rows=1), _draws(Decoder(model), rows=1)
+    )
+    assert len(list((tmp_path / "packages").glob("*/*.pt2"))) == 1
     # a process that found no package and waited on the lock while another made it opens
     # that one (the compiler refused above): the package is put back as the lock is taken
     monkeypatch.setattr(packaged, "_OPEN", {})

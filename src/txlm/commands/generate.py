@@ -124,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "package (a CPU): the step compiled ahead of time by AOTInductor, its package kept "
         "in TXLM_HOME/packages and opened in a fraction of a second next time; auto (the "
         "default): this checkpoint's kept packages where there are some, else the eager "
-        "step (docs/generation.md); --compile alone: on",
+        "step; it makes none (docs/generation.md); --compile alone: on",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)

@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "its compiled code kept in TXLM_HOME/inductor; package (a CPU): each bucket's step "
         "compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages; auto (the "
         "default): this checkpoint's kept packages where there are some, else the eager "
-        "step (docs/generation.md)",
+        "step; it makes none (docs/generation.md)",
     )  # fmt: skip
     d = ServeConfig()
     caps = [

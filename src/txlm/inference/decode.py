@@ -71,7 +71,8 @@ class Decoder:
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
     ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto" the
-    packaged step where this decoder's packages are kept, else none, True is
+    packaged step where this decoder's packages are kept, for the settings and buckets kept,
+    else none, True is
     inductor as it measured best on the device, a string names the backend, e.g.
     "aot_eager", "package" a step exported and compiled ahead of time, kept on disk
     (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
@@ -128,6 +129,7 @@ class Decoder:
         # products take bf16 inputs); an eager half or int8 step's stays float32, below
         self.cache_dtype = torch.bfloat16 if int8 and cpu_f32 else dtype
         auto = compile == "auto"  # (decided below, once the decoder's weights are made)
+        self.makes_packages = not auto  # (auto runs the packages kept, never makes one)
         self.compile = step_compile(False if auto else compile, self.device) if cache else None
         if self.compile == PACKAGE and self.device.type != "cpu":
             raise ConfigError("a packaged decoding step (compile='package') runs on a CPU")
@@ -399,7 +401,7 @@ class Decoder:
 
             if self.compile == PACKAGE:  # exported and compiled ahead of time, kept on disk
                 assert self.package_key is not None
-                fn = packaged(self._source(), self.package_key, sampling)
+                fn = packaged(self._source(), self.package_key, sampling, self.makes_packages)
             elif self.compile is not None:
                 fn = self.compile(own_code(fn, (sampling, self.compile)))
             if self.cuda_graph:

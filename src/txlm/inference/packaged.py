@@ -42,8 +42,11 @@ When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU
 decoder's model has packages kept (a run with ``--compile package`` made them), else the
 eager step: a kept package opens in a fraction of a second and measured faster than the
 eager step at batch 1 and 16 (docs/performance-cpu.md), so its set-up pays back from the
-first tokens; making one takes tens of seconds, which only a request for it pays. On a GPU
-"auto" is the eager step replayed from a CUDA graph.
+first tokens; making one takes tens of seconds (minutes at wt103-base's size), which only a
+request for it pays. So "auto" never makes a package: a sampling setting or bucket with none
+kept runs the eager step over the same cache (a server whose batch grows into a new bucket
+does not stall its clients while one compiles). On a GPU "auto" is the eager step replayed
+from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -131,8 +134,7 @@ def _source_digest() -> str:
 
 def kept(source: Source) -> str | None:
     """The name of ``source``'s packages where some are kept, else None: what
-    ``compile="auto"`` runs from (a step setting with no package yet is then packaged at
-    its first step)."""
+    ``compile="auto"`` runs from (a step setting with no package kept then runs eagerly)."""
     if not folder().is_dir() or not any(folder().iterdir()):
         return None  # (no package of any model: nothing to hash the weights for)
     key = model_key(source)
@@ -178,29 +180,36 @@ class _Step(nn.Module):
 _OPEN: dict[Path, torch._C._aoti.AOTIModelPackageLoader] = {}
 
 
-def packaged(source: Source, key: str, sampling: SamplingConfig | None) -> Callable[..., Tensor]:
+def packaged(
+    source: Source, key: str, sampling: SamplingConfig | None, make: bool = True
+) -> Callable[..., Tensor]:
     """The step of ``sampling`` run from the packages named ``key``, one per bucket: ids [K]
     (+ noise) -> the next ids [K], or log-probabilities [K, V]. A package not yet kept is
-    made at its bucket's first step (exported from the cache as it is then) and kept."""
+    made at its bucket's first step (exported from the cache as it is then) and kept, or
+    with ``make`` False (``compile="auto"``) that bucket's step runs eagerly."""
     where = folder() / key
-    loaders: dict[tuple[int, bool], torch._C._aoti.AOTIModelPackageLoader] = {}  # (K, per row)
+    # (K, per row) -> its package's loader, or None: the eager step
+    loaders: dict[tuple[int, bool], torch._C._aoti.AOTIModelPackageLoader | None] = {}
 
     def run(ids: Tensor, noise: Tensor | None = None) -> Tensor:
         cache = source.cache()
         assert cache is not None
         state = [getattr(cache, name) for name in STATE]
-        loader = loaders.get((ids.size(0), cache.per_row))
-        if loader is None:  # (a bucket's first step here: named, opened, made if need be)
+        bucket = (ids.size(0), cache.per_row)
+        if bucket not in loaders:  # (a bucket's first step here: named, opened, made if asked)
             step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
             path = where / f"{step.hexdigest()[:32]}.pt2"
             loader = _OPEN.get(path)
-            if loader is None:
+            if loader is None and (make or path.is_file()):
                 if not path.is_file():
                     with _making(path):
                         if not path.is_file():  # (else made while this process waited)
                             _package(source, sampling, ids, noise, state, path)
                 loader = _OPEN[path] = _open(path)
-            loaders[ids.size(0), cache.per_row] = loader
+            loaders[bucket] = loader
+        loader = loaders[bucket]
+        if loader is None:
+            return source.token(ids, noise, sampling)
         (out,) = loader.run([ids, *([] if noise is None else [noise]), *state])
         return out
 
