@@ -8,7 +8,9 @@ This file only wires them together and turns user errors into one line on stderr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import logging
 import os
 import select
 import sys
@@ -39,6 +41,23 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+@contextlib.contextmanager
+def _notes():
+    """The library's notes (its ``txlm`` loggers' INFO records: a package being made, which
+    takes a while) as this command's own lines on stderr, for the command's run only."""
+    log = logging.getLogger("txlm")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("txlm: note: %(message)s"))
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="txlm", description="Transformer-XL language models.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -53,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()  # a command's --threads is its own, not its caller's
     try:
-        code = int(args.func(args) or 0)
+        with _notes():
+            code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return code
     except TxlmError as exc:

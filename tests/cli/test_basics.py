@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import subprocess
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 
 from tests.helpers.train import REPO
 from tests.helpers.train import txlm as forked_txlm
-from txlm.cli import build_parser
+from txlm.cli import build_parser, main
+from txlm.commands import info
 from txlm.devices import resolve_device
 from txlm.errors import ConfigError
 from txlm.training.config import TrainConfig
@@ -130,3 +132,21 @@ def test_info_lists_every_preset_a_command_accepts():
     assert names == set(ABLATION_PRESETS)
     text = txlm("info").stdout
     assert all(name in text for name in names)
+
+
+def test_a_library_note_is_a_line_of_the_command_on_stderr(monkeypatch, capsys):
+    """What the library logs at INFO under ``txlm`` (a package being made, which takes a
+    while) reaches stderr as the command's own note, for that command only."""
+
+    def noting(args):
+        logging.getLogger("txlm.inference.packaged").info("making %s", "it")
+        return 0
+
+    log = logging.getLogger("txlm")
+    handlers, level = list(log.handlers), log.level
+    monkeypatch.setattr(info, "run", noting)
+    assert main(["info"]) == 0
+    assert capsys.readouterr().err == "txlm: note: making it\n"
+    assert log.handlers == handlers and log.level == level
+    logging.getLogger("txlm.inference.packaged").info("after")  # (the command is over)
+    assert capsys.readouterr().err == ""

@@ -10,6 +10,7 @@ step."""
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import zipfile
 from pathlib import Path
@@ -63,15 +64,20 @@ def _draws(decoder: Decoder, rows: int = 3) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_compiling(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))
     model = _model()
     want = _draws(Decoder(model))
     # every cluster drawn from: none pruned throughout
     assert {_cluster(t) for t in want.flatten().tolist()} == {0, 1, 2, 3}
+    caplog.set_level(logging.INFO, logger="txlm")
     first = Decoder(model, compile="package")
     assert torch.equal(_draws(first), want)
+    # the one package made said so (a command shows it: tests/cli/test_basics.py)
+    notes = [r.getMessage() for r in caplog.records if r.name == packaged.__name__]
+    assert len(notes) == 1
+    assert notes[0].startswith("making the decoding step's package for 4 row(s)")
     kept = list((tmp_path / "packages").glob("*/*.pt2"))
     assert len(kept) == 1  # one step setting, one bucket
     # inductor's own copy of the library (where it was built, the weights inside) removed
@@ -102,6 +108,7 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
         _draws(Decoder(model, compile="auto"), rows=1), _draws(Decoder(model), rows=1)
     )
     assert len(list((tmp_path / "packages").glob("*/*.pt2"))) == 1
+    assert [r.getMessage() for r in caplog.records if r.name == packaged.__name__] == notes
     # a process that found no package and waited on the lock while another made it opens
     # that one (the compiler refused above): the package is put back as the lock is taken
     monkeypatch.setattr(packaged, "_OPEN", {})

@@ -52,6 +52,7 @@ from a CUDA graph.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -69,6 +70,7 @@ from txlm.inference.sampling import SamplingConfig
 from txlm.model.cache import KVCache
 
 STATE = ("kv", "pos", "doc", "open_doc", "next_pos")  # the cache's tensors a step writes
+log = logging.getLogger(__name__)
 
 
 def weights_as_reductions(precision: str) -> bool:
@@ -204,6 +206,10 @@ def packaged(
                 if not path.is_file():
                     with _making(path):
                         if not path.is_file():  # (else made while this process waited)
+                            log.info(
+                                "making the decoding step's package for %d row(s), once "
+                                "(it is kept in %s)", ids.size(0), path.parent,
+                            )  # fmt: skip
                             _package(source, sampling, ids, noise, state, path)
                 loader = _OPEN[path] = _open(path)
             loaders[bucket] = loader
