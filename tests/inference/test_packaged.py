@@ -52,12 +52,12 @@ def _key(decoder: Decoder) -> str:
     return packaged.model_key(decoder._source())
 
 
-def _draws(decoder: Decoder, rows: int = 3) -> torch.Tensor:
+def _draws(decoder: Decoder, rows: int = 3, sampling: SamplingConfig = SAMPLING) -> torch.Tensor:
     g = torch.Generator().manual_seed(1)
-    ids = decoder.prefill(PROMPTS[:rows], sampling=SAMPLING, generator=g)
+    ids = decoder.prefill(PROMPTS[:rows], sampling=sampling, generator=g)
     out = [ids]
     for _ in range(STEPS):
-        ids = decoder.step(ids, SAMPLING, g)
+        ids = decoder.step(ids, sampling, g)
         out.append(ids)
     return torch.stack(out)
 
@@ -77,7 +77,7 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     # the one package made said so (a command shows it: tests/cli/test_basics.py)
     notes = [r.getMessage() for r in caplog.records if r.name == packaged.__name__]
     assert len(notes) == 1
-    assert notes[0].startswith("making the decoding step's package for 4 row(s)")
+    assert notes[0].startswith("making the decoding step's package for batches of 4 row(s)")
     kept = list((tmp_path / "packages").glob("*/*.pt2"))
     assert len(kept) == 1  # one step setting, one bucket
     # inductor's own copy of the library (where it was built, the weights inside) removed
@@ -102,10 +102,16 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     # already: a process killed now leaves no copy behind
     assert list((tmp_path / "tmp").iterdir()) == []
     assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
-    # a bucket with no package kept (one row): auto runs the eager step there, never
-    # making a package (the compiler refused above)
+    # a bucket with no package kept (one row), and a sampling setting with none (three rows
+    # padded to four): auto runs the eager step there, never making a package (the
+    # compiler refused above)
     assert torch.equal(
         _draws(Decoder(model, compile="auto"), rows=1), _draws(Decoder(model), rows=1)
+    )
+    other = SamplingConfig(top_k=3)
+    assert torch.equal(
+        _draws(Decoder(model, compile="auto"), sampling=other),
+        _draws(Decoder(model), sampling=other),
     )
     assert len(list((tmp_path / "packages").glob("*/*.pt2"))) == 1
     assert [r.getMessage() for r in caplog.records if r.name == packaged.__name__] == notes
@@ -127,6 +133,19 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     other = Decoder(_model(seed=6), compile="auto")
     assert other.compile is None and not other.static
     assert packaged.kept(other._source()) is None
+
+
+def test_a_package_being_written_is_not_a_kept_one(tmp_path, monkeypatch):
+    """A package's scratch file (a process compiling it now, or one killed while it did) does
+    not make "auto" take the packaged step."""
+    monkeypatch.setenv("TXLM_HOME", str(tmp_path))
+    model = _model()
+    where = tmp_path / "packages" / _key(Decoder(model))
+    where.mkdir(parents=True)
+    (where / ".0123abcd.pt2").write_bytes(b"")
+    assert Decoder(model, compile="auto").compile is None
+    (where / "0123abcd.pt2").write_bytes(b"")  # (a kept one's name)
+    assert Decoder(model, compile="auto").compile == PACKAGE
 
 
 def test_auto_without_kept_packages_hashes_nothing(tmp_path, monkeypatch):

@@ -141,7 +141,8 @@ def kept(source: Source) -> str | None:
         return None  # (no package of any model: nothing to hash the weights for)
     key = model_key(source)
     where = folder() / key
-    return key if where.is_dir() and any(where.glob("*.pt2")) else None
+    # (not a package being written: its scratch file's name starts with a dot)
+    return key if where.is_dir() and any(where.glob("[!.]*.pt2")) else None
 
 
 def model_key(source: Source) -> str:
@@ -207,7 +208,7 @@ def packaged(
                     with _making(path):
                         if not path.is_file():  # (else made while this process waited)
                             log.info(
-                                "making the decoding step's package for %d row(s), once "
+                                "making the decoding step's package for batches of %d row(s), once "
                                 "(it is kept in %s)", ids.size(0), path.parent,
                             )  # fmt: skip
                             _package(source, sampling, ids, noise, state, path)
@@ -223,8 +224,8 @@ def packaged(
 
 
 def _making(package: Path) -> FileLock:
-    """The lock held while ``package`` is made, across processes (an advisory lock on a
-    file beside it, released by the system if its holder dies)."""
+    """The lock held while ``package`` is made, across processes and threads (an advisory
+    ``flock`` on a file beside it, which the system releases if its holder dies)."""
     package.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(package.with_suffix(".lock"))
 
