@@ -148,6 +148,35 @@ def test_a_package_being_written_is_not_a_kept_one(tmp_path, monkeypatch):
     assert Decoder(model, compile="auto").compile == PACKAGE
 
 
+def test_a_scratch_file_left_by_a_killed_compile_is_overwritten(tmp_path, monkeypatch):
+    """A package is written under one scratch name beside it (.NAME.pt2), then renamed: the
+    scratch file of a compile killed before it ended is written over, not kept beside a
+    second one (the compiler here a stand-in that writes a zip)."""
+    monkeypatch.setenv("TXLM_HOME", str(tmp_path))
+    decoder = Decoder(_model(), compile="package")
+    decoder.prefill(PROMPTS[:1])
+    decoder._narrow()  # (the one-token steps' cache, as a step packages it)
+    where = tmp_path / "model"
+    where.mkdir()
+    (where / ".step.pt2").write_bytes(b"left by a killed compile")
+    written = []
+
+    def stand_in(program, package_path, inductor_configs):
+        written.append(package_path)
+        with zipfile.ZipFile(package_path, "w") as archive:
+            archive.writestr("model/made.txt", "made")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", stand_in)
+    state = [getattr(decoder.cache, name) for name in packaged.STATE]
+    with torch.inference_mode():
+        ids = torch.tensor([1])
+        packaged._package(decoder._source(), None, ids, None, state, where / "step.pt2")
+    assert written == [str(where / ".step.pt2")]
+    assert [p.name for p in where.iterdir()] == ["step.pt2"]
+    with zipfile.ZipFile(where / "step.pt2") as archive:
+        assert archive.read("model/made.txt") == b"made"
+
+
 def test_auto_without_kept_packages_hashes_nothing(tmp_path, monkeypatch):
     """With no package of any model kept, "auto" decides without reading the weights."""
     monkeypatch.setenv("TXLM_HOME", str(tmp_path))

@@ -32,11 +32,11 @@ sha256 over everything the compiled code depends on beyond its step (every weigh
 buffer of the decoder's layers and head, the lengths, the precision and cache dtype, torch's
 version, the CPU's vector ISA, txlm's own source), ``step`` one over the step's setting (the
 sampling setting, the bucket, whether the mask is per row). A package is written atomically
-(a temporary file renamed into place), so a reader never sees half of one, and made under
-a lock file beside it (``filelock``): of processes wanting the same package at once (two
-servers started together on one checkpoint), one compiles it and the others wait for it and
-open it, rather than each compiling it, in inductor's one build folder that the first to
-finish removes (``_drop_build``).
+(a scratch file, ``.<step>.pt2``, renamed into place), so a reader never sees half of one,
+and made under a lock file beside it (``filelock``): of processes wanting the same package
+at once (two servers started together on one checkpoint), one compiles it and the others
+wait for it and open it, rather than each compiling it, in inductor's one build folder that
+the first to finish removes (``_drop_build``).
 
 When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU where this
 decoder's model has packages kept (a run with ``--compile package`` made them), else the
@@ -55,7 +55,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import warnings
 import zipfile
 from collections.abc import Callable, Sequence
@@ -276,23 +275,22 @@ def _package(
         copies = [t.clone() for t in state]  # (ordinary tensors: export writes into them)
         args = (ids.clone(), None if noise is None else noise.clone(), *copies)
         program = torch.export.export(_Step(source, sampling), args, strict=False)
-    # (the name ends in .pt2: AOTInductor's rule)
-    fd, scratch = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".pt2")
-    os.close(fd)
+    # One name per package, not a fresh one: its lock held, one process writes it at a time,
+    # so a scratch file a killed compile left is overwritten by the next, not kept beside
+    # it (gigabytes at wt103-base). It ends in .pt2, AOTInductor's rule.
+    scratch = path.with_name(f".{path.name}")
     try:
         with warnings.catch_warnings():  # (torch's own, from inside its packaging)
             warnings.filterwarnings("ignore", r".*LeafSpec.* is deprecated", FutureWarning)
             warnings.filterwarnings("ignore", r"TypedStorage is deprecated", UserWarning)
             torch._inductor.aoti_compile_and_package(
                 program,
-                package_path=scratch,
+                package_path=str(scratch),
                 inductor_configs=options(ids.size(0), source.precision),
             )
-        os.chmod(scratch, 0o644)  # (mkstemp's file is the owner's alone)
         os.replace(scratch, path)
     finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
+        scratch.unlink(missing_ok=True)
     _drop_build(path)
 
 
