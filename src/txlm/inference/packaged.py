@@ -206,10 +206,6 @@ def packaged(
                 if not path.is_file():
                     with _making(path):
                         if not path.is_file():  # (else made while this process waited)
-                            log.info(
-                                "making the decoding step's package for batches of %d row(s), once "
-                                "(it is kept in %s)", ids.size(0), path.parent,
-                            )  # fmt: skip
                             _package(source, sampling, ids, noise, state, path)
                 loader = _OPEN[path] = _open(path)
             loaders[bucket] = loader
@@ -271,6 +267,10 @@ def _package(
     path: Path,
 ) -> None:
     """Export the step over copies of the cache's tensors and package it at ``path``."""
+    log.info(
+        "making the decoding step's package for batches of %d row(s), once (it is kept in %s)",
+        ids.size(0), path.parent,
+    )  # fmt: skip
     with torch.inference_mode(False), torch.no_grad():
         copies = [t.clone() for t in state]  # (ordinary tensors: export writes into them)
         args = (ids.clone(), None if noise is None else noise.clone(), *copies)
