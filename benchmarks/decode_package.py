@@ -13,6 +13,9 @@ TXLM_HOME of its own, then rounds of ``--steps`` steps interleaved across the va
     timed       inductor times its C++ template against the library's packed product for
                 each weight product as it packages (max-autotune, "CPP,ATEN")
     unfrozen    AOTInductor's defaults: the weights as constants, not packed
+    fused, int8_fused  ``shipped``, ``int8`` with the C++ template's products fused with
+                what follows them (``epilogue_fusion``; not shipped: it fails to lower for
+                some models, ``packaged.options``)
     reductions  the shipped settings, but a one-row step's weight products traced as
                 reductions too (as a bf16 package's are), not only the attention's
     bf16        ``--precision bf16`` as shipped: bf16 weights and a bf16 cache; one row:
@@ -90,14 +93,25 @@ VARIANTS = {
         lambda bucket, precision: SHIPPED(bucket, "fp32"),
         lambda precision: False,
     ),
+    "fused": ({}, lambda bucket, precision: fused(SHIPPED(bucket, precision)), REDUCED),
     "int8_library": ({"int8": True}, lambda bucket, precision: LIBRARY, REDUCED),
     "int8": ({"int8": True}, SHIPPED, REDUCED),
     "int8_f32kv": ({"int8": True}, SHIPPED, REDUCED),
+    "int8_fused": (
+        {"int8": True},
+        lambda bucket, precision: fused(SHIPPED(bucket, precision)),
+        REDUCED,
+    ),
     "gathered_after": ({}, SHIPPED, REDUCED),
     "bf16_gathered_after": (BF16, SHIPPED, REDUCED),
     "branch_free": ({}, SHIPPED, REDUCED),
     "bf16_branch_free": (BF16, SHIPPED, REDUCED),
 }
+
+
+def fused(options: dict) -> dict:
+    """``options`` with the C++ template's products fused with what follows them."""
+    return {**options, "epilogue_fusion": True} if options.get("max_autotune") else options
 
 
 def with_float32_cache(dec: Decoder) -> None:

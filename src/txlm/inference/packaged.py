@@ -91,7 +91,9 @@ def options(bucket: int, precision: str) -> dict:
     packed product, which measured as fast as the template there and compiles for every
     bucket. Each choice is fixed, not timed as the package is made (docs/performance-cpu.md,
     "The packaged step's settings"). The template's outputs are not fused with what follows
-    them: torch 2.13 failed to lower a fused view of a bf16 template's output ("wrong ndim")."""
+    them: torch 2.13 fails to lower some fused views of a template's output ("wrong ndim":
+    an int8 one in an adaptive softmax's tail cluster, a bf16 one), so a package could not
+    be made for every model."""
     if bucket > 1 or weights_as_reductions(precision):
         return {"freezing": True}
     return {
