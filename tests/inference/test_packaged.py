@@ -96,23 +96,21 @@ def test_a_packaged_step_draws_the_eager_tokens_and_is_opened_again_without_comp
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     again = Decoder(model, compile="auto")  # a kept package: auto runs it
-    assert again.compile == PACKAGE and again.static
     assert torch.equal(_draws(again), want)
+    assert again.compile == PACKAGE and again.static
     # the package open, its library mapped from the extracted folder, that folder removed
     # already: a process killed now leaves no copy behind
     assert list((tmp_path / "tmp").iterdir()) == []
     assert f"{tmp_path / 'tmp'}/aotinductor_" in Path("/proc/self/maps").read_text()
-    # a bucket with no package kept (one row), and a sampling setting with none (three rows
-    # padded to four): auto runs the eager step there, never making a package (the
-    # compiler refused above)
-    assert torch.equal(
-        _draws(Decoder(model, compile="auto"), rows=1), _draws(Decoder(model), rows=1)
-    )
+    # auto never makes a package (the compiler refused above): a bucket with none kept (one
+    # row) runs the eager step over the packaged step's cache, a sampling setting with none
+    # (three rows) the plain eager step
+    auto = Decoder(model, compile="auto")
+    assert torch.equal(_draws(auto, rows=1), _draws(Decoder(model), rows=1))
+    assert auto.compile == PACKAGE and auto.static
     other = SamplingConfig(top_k=3)
-    assert torch.equal(
-        _draws(Decoder(model, compile="auto"), sampling=other),
-        _draws(Decoder(model), sampling=other),
-    )
+    assert torch.equal(_draws(auto, sampling=other), _draws(Decoder(model), sampling=other))
+    assert auto.compile is None and not auto.static
     assert len(list((tmp_path / "packages").glob("*/*.pt2"))) == 1
     assert [r.getMessage() for r in caplog.records if r.name == packaged.__name__] == notes
     # a process that found no package and waited on the lock while another made it opens
@@ -142,10 +140,35 @@ def test_a_package_being_written_is_not_a_kept_one(tmp_path, monkeypatch):
     model = _model()
     where = tmp_path / "packages" / _key(Decoder(model))
     where.mkdir(parents=True)
-    (where / ".0123abcd.pt2").write_bytes(b"")
+    name = packaged.package_name(None, 1, False)  # (the log-probabilities step's)
+    (where / f".{name}").write_bytes(b"")
     assert Decoder(model, compile="auto").compile is None
-    (where / "0123abcd.pt2").write_bytes(b"")  # (a kept one's name)
+    (where / name).write_bytes(b"")
     assert Decoder(model, compile="auto").compile == PACKAGE
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_auto_takes_the_packaged_step_per_sampling_setting(tmp_path, monkeypatch, int8: bool):
+    """ "auto" decides at each prefill: the packaged step's cache (static; bf16 for int8) for
+    a sampling setting with a package kept, of any bucket, the eager step's (float32) for
+    one with none, whose steps are then the plain eager decoder's."""
+    monkeypatch.setenv("TXLM_HOME", str(tmp_path))
+    model = _model()
+    decoder = Decoder(model, compile="auto", int8=int8)
+    assert decoder.compile is None  # (no package of this model)
+    where = tmp_path / "packages" / _key(Decoder(model, compile="package", int8=int8))
+    where.mkdir(parents=True)
+    (where / packaged.package_name(SAMPLING, 4, True)).write_bytes(b"")  # (not opened here)
+    decoder = Decoder(model, compile="auto", int8=int8)
+    assert decoder.compile is None and not decoder.static  # (the log-probabilities step's)
+    decoder.prefill(PROMPTS[:1], sampling=SAMPLING)
+    assert decoder.compile == PACKAGE and decoder.cache.static
+    assert decoder.cache.kv.dtype == (torch.bfloat16 if int8 else torch.float32)
+    other = SamplingConfig(top_k=3)
+    plain = Decoder(model, int8=int8)
+    assert torch.equal(_draws(decoder, sampling=other), _draws(plain, sampling=other))
+    assert decoder.compile is None and not decoder.cache.static
+    assert decoder.cache.kv.dtype == torch.float32
 
 
 def test_a_scratch_file_left_by_a_killed_compile_is_overwritten(tmp_path, monkeypatch):

@@ -123,8 +123,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "once before the first token, its compiled code kept in TXLM_HOME/inductor; "
         "package (a CPU): the step compiled ahead of time by AOTInductor, its package kept "
         "in TXLM_HOME/packages and opened in a fraction of a second next time; auto (the "
-        "default): this checkpoint's kept packages where there are some, else the eager "
-        "step; it makes none (docs/generation.md); --compile alone: on",
+        "default): this checkpoint's kept packages of these sampling settings where there "
+        "are some, else the eager step; it makes none (docs/generation.md); --compile "
+        "alone: on",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object at the end")
     p.set_defaults(func=run)

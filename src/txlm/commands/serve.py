@@ -37,8 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="on: torch.compile the decoding step for each batch bucket (1, 2, 4, .. rows), "
         "its compiled code kept in TXLM_HOME/inductor; package (a CPU): each bucket's step "
         "compiled ahead of time by AOTInductor, kept in TXLM_HOME/packages; auto (the "
-        "default): this checkpoint's kept packages where there are some, else the eager "
-        "step; it makes none (docs/generation.md)",
+        "default): this checkpoint's kept packages of the server's step where there are "
+        "some, else the eager step; it makes none (docs/generation.md)",
     )  # fmt: skip
     d = ServeConfig()
     caps = [

@@ -43,7 +43,14 @@ from torch import Tensor, nn
 
 from txlm.errors import ConfigError
 from txlm.inference.compiled import PACKAGE, StepCompile, bucket, pad, step_compile
-from txlm.inference.packaged import Source, kept, model_key, packaged, weights_as_reductions
+from txlm.inference.packaged import (
+    Source,
+    kept,
+    kept_for,
+    model_key,
+    packaged,
+    weights_as_reductions,
+)
 from txlm.inference.precision import narrow_linear, narrowed
 from txlm.inference.reductions import products_as_reductions
 from txlm.inference.sampling import SamplingConfig, clusters_needed, draw_noise, sample
@@ -70,9 +77,9 @@ class Decoder:
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
-    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto" the
-    packaged step where this decoder's packages are kept, for the settings and buckets kept,
-    else none, True is
+    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto",
+    decided at each prefill, the packaged step where a package of the prefill's sampling
+    setting is kept, for the buckets kept, else none; True is
     inductor as it measured best on the device, a string names the backend, e.g.
     "aot_eager", "package" a step exported and compiled ahead of time, kept on disk
     (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
@@ -166,13 +173,14 @@ class Decoder:
         if self.compile == PACKAGE:
             self.package_key = model_key(self._source())
         elif auto and cache and self.device.type == "cpu":
-            self.package_key = kept(self._source())
-            self.compile = None if self.package_key is None else PACKAGE
-        if cpu_f32 and (half or int8) and self.compile != PACKAGE:
-            # the library's half products over a cache measured slower than float32 ones on
-            # a CPU; a packaged step's kernels read a half cache faster (half the bytes)
-            self.cache_dtype = torch.float32
-        self.static = self.compile is not None or self.cuda_graph
+            self.package_key = kept(self._source())  # (None: no package of this model)
+        self.auto = auto and self.package_key is not None  # (then decided per prefill)
+        # the cache's dtype: a packaged step's kernels read a half cache faster (half the
+        # bytes); the library's half products over a cache measured slower than float32
+        # ones on a CPU, so an eager or torch.compile'd step's is float32 there
+        eager = torch.float32 if cpu_f32 and (half or int8) else self.cache_dtype
+        self._cache_dtypes = (eager, self.cache_dtype)  # (an eager step's, a packaged one's)
+        self._choose(None)
         # how a compiled step skips a tail cluster no row needs (AdaptiveLogSoftmax.log_prob):
         # a CPU takes a branch in its compiled code; a GPU's step reads nothing back
         self.traced_branch = "graph" if self.device.type == "cpu" else "none"
@@ -181,6 +189,15 @@ class Decoder:
         self.mem_mask: Tensor | None = None
         # the step functions over this cache, per sampling setting (None: log-probabilities)
         self._steps: dict[SamplingConfig | None, Callable[..., Tensor]] = {}
+
+    def _choose(self, sampling: SamplingConfig | None) -> None:
+        """The step the next cache is made for: with ``compile="auto"``, the packaged one
+        where a package of ``sampling``'s step is kept (any bucket), else the eager one."""
+        if self.auto:
+            assert self.package_key is not None
+            self.compile = PACKAGE if kept_for(self.package_key, sampling) else None
+        self.cache_dtype = self._cache_dtypes[self.compile == PACKAGE]
+        self.static = self.compile is not None or self.cuda_graph
 
     # -- the two calls ------------------------------------------------------------------
     def prefill(
@@ -203,7 +220,7 @@ class Decoder:
             rows, repeats = [r for r in rows for _ in range(repeats)], 1
 
         def run() -> Tensor:
-            hidden = self._read(rows, start_id)  # [B, D]
+            hidden = self._read(rows, start_id, sampling)  # [B, D]
             if repeats > 1:
                 self._narrow()  # (the smaller cache: mem_len + 1 slots)
                 assert self.cache is not None
@@ -244,8 +261,11 @@ class Decoder:
         return self._call(run)
 
     # -- reading the prompts ------------------------------------------------------------
-    def _read(self, rows: list[list[int]], start_id: int | None) -> Tensor:
-        """Read the prompts; the last position's output [B, D]."""
+    def _read(
+        self, rows: list[list[int]], start_id: int | None, sampling: SamplingConfig | None
+    ) -> Tensor:
+        """Read the prompts, the cache made for the step of ``sampling`` (``_choose``); the
+        last position's output [B, D]."""
         if not rows:
             raise ConfigError("no prompts given")
         if any(not r for r in rows):
@@ -264,6 +284,8 @@ class Decoder:
 
         self.mems, self.mem_mask = None, None
         if self.cached:
+            if self.auto:
+                self._choose(sampling)
             self.cache = self.net.new_cache(
                 batch, lengths=self.lengths, dtype=self.cache_dtype, static=self.static
             )

@@ -120,7 +120,7 @@ def stream(
     stop strings on the text and close the stream). The ids come back on
     the CPU; the next step is already queued on the device when they are read.
     ``compile``: how the decoding step is compiled (``txlm.inference.decode.Decoder``);
-    "auto": from its kept packages where there are some, else eager
+    "auto": from the kept packages of its step where there are some, else eager
     (``txlm.inference.packaged``).
     ``lengths``: the attention lengths to decode with (None: the model's).
     ``int8``: the decoder's layers and output head with int8 weights (weight-only, per row:

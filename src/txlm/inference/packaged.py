@@ -30,8 +30,9 @@ rows runs the library's packed products. A bf16 or int8 decoder's package reads 
 Kept where, and under what name. ``TXLM_HOME/packages/<model>/<step>.pt2``: ``model`` a
 sha256 over everything the compiled code depends on beyond its step (every weight and
 buffer of the decoder's layers and head, the lengths, the precision and cache dtype, torch's
-version, the CPU's vector ISA, txlm's own source), ``step`` one over the step's setting (the
-sampling setting, the bucket, whether the mask is per row). A package is written atomically
+version, the CPU's vector ISA, txlm's own source), ``step`` the step's setting
+(``package_name``: a digest of the sampling setting, then the bucket and whether the mask is
+per row). A package is written atomically
 (a scratch file, ``.<step>.pt2``, renamed into place), so a reader never sees half of one,
 and made under a lock file beside it (``filelock``): of processes wanting the same package
 at once (two servers started together on one checkpoint), one compiles it and the others
@@ -39,14 +40,16 @@ wait for it and open it, rather than each compiling it, in inductor's one build 
 the first to finish removes (``_drop_build``).
 
 When. ``compile="auto"`` (the commands' default) runs the packaged step on a CPU where this
-decoder's model has packages kept (a run with ``--compile package`` made them), else the
-eager step: a kept package opens in a fraction of a second and measured faster than the
-eager step at batch 1 and 16 (docs/performance-cpu.md), so its set-up pays back from the
-first tokens; making one takes tens of seconds (minutes at wt103-base's size), which only a
-request for it pays. So "auto" never makes a package: a sampling setting or bucket with none
-kept runs the eager step over the same cache (a server whose batch grows into a new bucket
-does not stall its clients while one compiles). On a GPU "auto" is the eager step replayed
-from a CUDA graph.
+decoder's model has a package of the sampling setting at hand kept (a run with ``--compile
+package`` made it), else the eager step: a kept package opens in a fraction of a second and
+measured faster than the eager step at batch 1 and 16 (docs/performance-cpu.md), so its
+set-up pays back from the first tokens; making one takes tens of seconds (minutes at
+wt103-base's size), which only a request for it pays. So "auto" never makes a package: a
+setting with none kept runs the plain eager step (a new ``--temperature`` compiles nothing),
+and a bucket with none kept of a setting with some runs the eager step over the packaged
+step's cache (a server whose batch grows into a new bucket does not stall its clients while
+one compiles). The setting is decided at each prefill (``Decoder.prefill``). On a GPU
+"auto" is the eager step replayed from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -136,14 +139,30 @@ def _source_digest() -> str:
 
 
 def kept(source: Source) -> str | None:
-    """The name of ``source``'s packages where some are kept, else None: what
-    ``compile="auto"`` runs from (a step setting with no package kept then runs eagerly)."""
+    """The name of ``source``'s packages where some are kept, else None: where
+    ``compile="auto"`` looks for a sampling setting's (``kept_for``)."""
     if not folder().is_dir() or not any(folder().iterdir()):
         return None  # (no package of any model: nothing to hash the weights for)
     key = model_key(source)
     where = folder() / key
     # (not a package being written: its scratch file's name starts with a dot)
     return key if where.is_dir() and any(where.glob("[!.]*.pt2")) else None
+
+
+def kept_for(key: str, sampling: SamplingConfig | None) -> bool:
+    """Whether a package of the step of ``sampling`` is kept under ``key``, for any bucket."""
+    return any((folder() / key).glob(f"{_setting(sampling)}-*.pt2"))
+
+
+def _setting(sampling: SamplingConfig | None) -> str:
+    """The part of a package's name its sampling setting gives (None: log-probabilities)."""
+    return hashlib.sha256(repr(sampling).encode()).hexdigest()[:16]
+
+
+def package_name(sampling: SamplingConfig | None, rows: int, per_row: bool) -> str:
+    """The file name of the package of the step of ``sampling`` for buckets of ``rows``, its
+    mask per row or not: the setting's digest, then the bucket."""
+    return f"{_setting(sampling)}-{rows}{'-per-row' if per_row else ''}.pt2"
 
 
 def model_key(source: Source) -> str:
@@ -201,8 +220,7 @@ def packaged(
         state = [getattr(cache, name) for name in STATE]
         bucket = (ids.size(0), cache.per_row)
         if bucket not in loaders:  # (a bucket's first step here: named, opened, made if asked)
-            step = hashlib.sha256(f"{sampling!r}:{ids.size(0)}:{cache.per_row}".encode())
-            path = where / f"{step.hexdigest()[:32]}.pt2"
+            path = where / package_name(sampling, ids.size(0), cache.per_row)
             loader = _OPEN.get(path)
             if loader is None and (make or path.is_file()):
                 if not path.is_file():
