@@ -360,3 +360,15 @@ def test_spliced_rows_decode_as_each_alone():
         batch.keep_rows(torch.tensor([1]))
     d.cache = batch
     torch.testing.assert_close(d.step(ids[1:])[0], alone(b, 21), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("other", ["bf16", "static"])
+def test_a_cache_of_another_kind_is_not_spliced(other: str):
+    """Rows join a batch only from a cache of its dtype and kind (static or not): a server's
+    caches are all made for one step."""
+    model = debug_model(std=0.1)
+    batch = model.new_cache(1, dtype=torch.float32, static=False).resized(1)
+    kind = {"bf16": dict(dtype=torch.bfloat16, static=False), "static": dict(static=True)}
+    joining = model.new_cache(1, **kind[other]).resized(1)
+    with torch.inference_mode(), pytest.raises(ValueError, match="same dtype"):
+        batch.splice(joining)

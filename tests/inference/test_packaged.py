@@ -169,6 +169,11 @@ def test_auto_takes_the_packaged_step_per_sampling_setting(tmp_path, monkeypatch
     assert torch.equal(_draws(decoder, sampling=other), _draws(plain, sampling=other))
     assert decoder.compile is None and not decoder.cache.static
     assert decoder.cache.kv.dtype == torch.float32
+    # decided once per setting: a package of it kept meanwhile changes nothing (a server's
+    # caches, spliced into one batch, stay of one kind)
+    (where / packaged.package_name(other, 1, False)).write_bytes(b"")
+    decoder.prefill(PROMPTS[:1], sampling=other)
+    assert decoder.compile is None and not decoder.cache.static
 
 
 def test_a_scratch_file_left_by_a_killed_compile_is_overwritten(tmp_path, monkeypatch):

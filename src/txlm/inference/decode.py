@@ -78,8 +78,9 @@ class Decoder:
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
     ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto",
-    decided at each prefill, the packaged step where a package of the prefill's sampling
-    setting is kept, for the buckets kept, else none; True is
+    decided at a sampling setting's first prefill where some package of the model was kept
+    as the decoder was made, the packaged step where one of that setting is kept, for the
+    buckets kept, else none; True is
     inductor as it measured best on the device, a string names the backend, e.g.
     "aot_eager", "package" a step exported and compiled ahead of time, kept on disk
     (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
@@ -174,7 +175,8 @@ class Decoder:
             self.package_key = model_key(self._source())
         elif auto and cache and self.device.type == "cpu":
             self.package_key = kept(self._source())  # (None: no package of this model)
-        self.auto = auto and self.package_key is not None  # (then decided per prefill)
+        self.auto = auto and self.package_key is not None  # (then decided per setting)
+        self._packaged: dict[SamplingConfig | None, bool] = {}  # auto's choice per setting
         # the cache's dtype: a packaged step's kernels read a half cache faster (half the
         # bytes); the library's half products over a cache measured slower than float32
         # ones on a CPU, so an eager or torch.compile'd step's is float32 there
@@ -192,10 +194,14 @@ class Decoder:
 
     def _choose(self, sampling: SamplingConfig | None) -> None:
         """The step the next cache is made for: with ``compile="auto"``, the packaged one
-        where a package of ``sampling``'s step is kept (any bucket), else the eager one."""
+        where a package of ``sampling``'s step is kept (any bucket), else the eager one,
+        decided once per setting in a decoder's life (a server's caches, spliced into one
+        batch, are then all of one kind whatever is packaged meanwhile)."""
         if self.auto:
             assert self.package_key is not None
-            self.compile = PACKAGE if kept_for(self.package_key, sampling) else None
+            if sampling not in self._packaged:
+                self._packaged[sampling] = kept_for(self.package_key, sampling)
+            self.compile = PACKAGE if self._packaged[sampling] else None
         self.cache_dtype = self._cache_dtypes[self.compile == PACKAGE]
         self.static = self.compile is not None or self.cuda_graph
 

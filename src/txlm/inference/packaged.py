@@ -48,8 +48,9 @@ wt103-base's size), which only a request for it pays. So "auto" never makes a pa
 setting with none kept runs the plain eager step (a new ``--temperature`` compiles nothing),
 and a bucket with none kept of a setting with some runs the eager step over the packaged
 step's cache (a server whose batch grows into a new bucket does not stall its clients while
-one compiles). The setting is decided at each prefill (``Decoder.prefill``). On a GPU
-"auto" is the eager step replayed from a CUDA graph.
+one compiles). A decoder decides for a setting at its first prefill (``Decoder._choose``),
+where some package of its model was kept as it was made. On a GPU "auto" is the eager step
+replayed from a CUDA graph.
 """
 
 from __future__ import annotations

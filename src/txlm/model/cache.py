@@ -359,6 +359,8 @@ class KVCache:
         the same lengths, dtype and device."""
         if other.slots != self.slots or other.lengths != self.lengths:
             raise ValueError("splice needs caches of the same lengths and slots")
+        if (other.kv.dtype, other.static) != (self.kv.dtype, self.static):
+            raise ValueError("splice needs caches of the same dtype, both static or neither")
         self._unpad()
         other._unpad()
         self._sync()
