@@ -77,10 +77,10 @@ class Decoder:
 
     Modes. Eager (the default on a CPU): the cache keeps its write position on the host too,
     so a step that needs no mask skips it. ``compile``: the step under
-    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto",
-    decided at a sampling setting's first prefill where some package of the model was kept
-    as the decoder was made, the packaged step where one of that setting is kept, for the
-    buckets kept, else none; True is
+    ``torch.compile(fullgraph=True, dynamic=False)`` (txlm.inference.compiled: "auto", where
+    some package of the model is kept as the decoder is made, the packaged step for a
+    sampling setting with a package kept, decided at the setting's first prefill (the eager
+    step for a bucket with none), else none; True is
     inductor as it measured best on the device, a string names the backend, e.g.
     "aot_eager", "package" a step exported and compiled ahead of time, kept on disk
     (txlm.inference.packaged), a ``StepCompile`` says all), made for the batch's bucket: B
@@ -176,7 +176,7 @@ class Decoder:
         elif auto and cache and self.device.type == "cpu":
             self.package_key = kept(self._source())  # (None: no package of this model)
         self.auto = auto and self.package_key is not None  # (then decided per setting)
-        self._packaged: dict[SamplingConfig | None, bool] = {}  # auto's choice per setting
+        self._kept_for: dict[SamplingConfig | None, bool] = {}  # auto's choice per setting
         # the cache's dtype: a packaged step's kernels read a half cache faster (half the
         # bytes); the library's half products over a cache measured slower than float32
         # ones on a CPU, so an eager or torch.compile'd step's is float32 there
@@ -199,9 +199,9 @@ class Decoder:
         batch, are then all of one kind whatever is packaged meanwhile)."""
         if self.auto:
             assert self.package_key is not None
-            if sampling not in self._packaged:
-                self._packaged[sampling] = kept_for(self.package_key, sampling)
-            self.compile = PACKAGE if self._packaged[sampling] else None
+            if sampling not in self._kept_for:
+                self._kept_for[sampling] = kept_for(self.package_key, sampling)
+            self.compile = PACKAGE if self._kept_for[sampling] else None
         self.cache_dtype = self._cache_dtypes[self.compile == PACKAGE]
         self.static = self.compile is not None or self.cuda_graph
 
