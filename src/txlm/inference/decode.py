@@ -137,7 +137,6 @@ class Decoder:
         # products take bf16 inputs); an eager half or int8 step's stays float32, below
         self.cache_dtype = torch.bfloat16 if int8 and cpu_f32 else dtype
         auto = compile == "auto"  # (decided below, once the decoder's weights are made)
-        self.makes_packages = not auto  # (auto runs the packages kept, never makes one)
         self.compile = step_compile(False if auto else compile, self.device) if cache else None
         if self.compile == PACKAGE and self.device.type != "cpu":
             raise ConfigError("a packaged decoding step (compile='package') runs on a CPU")
@@ -226,7 +225,9 @@ class Decoder:
             rows, repeats = [r for r in rows for _ in range(repeats)], 1
 
         def run() -> Tensor:
-            hidden = self._read(rows, start_id, sampling)  # [B, D]
+            if self.auto:  # (the cache _read makes is the one for this setting's step)
+                self._choose(sampling)
+            hidden = self._read(rows, start_id)  # [B, D]
             if repeats > 1:
                 self._narrow()  # (the smaller cache: mem_len + 1 slots)
                 assert self.cache is not None
@@ -267,11 +268,8 @@ class Decoder:
         return self._call(run)
 
     # -- reading the prompts ------------------------------------------------------------
-    def _read(
-        self, rows: list[list[int]], start_id: int | None, sampling: SamplingConfig | None
-    ) -> Tensor:
-        """Read the prompts, the cache made for the step of ``sampling`` (``_choose``); the
-        last position's output [B, D]."""
+    def _read(self, rows: list[list[int]], start_id: int | None) -> Tensor:
+        """Read the prompts; the last position's output [B, D]."""
         if not rows:
             raise ConfigError("no prompts given")
         if any(not r for r in rows):
@@ -290,8 +288,6 @@ class Decoder:
 
         self.mems, self.mem_mask = None, None
         if self.cached:
-            if self.auto:
-                self._choose(sampling)
             self.cache = self.net.new_cache(
                 batch, lengths=self.lengths, dtype=self.cache_dtype, static=self.static
             )
@@ -429,7 +425,8 @@ class Decoder:
 
             if self.compile == PACKAGE:  # exported and compiled ahead of time, kept on disk
                 assert self.package_key is not None
-                fn = packaged(self._source(), self.package_key, sampling, self.makes_packages)
+                # (auto runs the packages kept, never makes one)
+                fn = packaged(self._source(), self.package_key, sampling, make=not self.auto)
             elif self.compile is not None:
                 fn = self.compile(own_code(fn, (sampling, self.compile)))
             if self.cuda_graph:
